@@ -1,0 +1,19 @@
+"""gcomp: pluggable gradient compression for PyTorch DistributedDataParallel.
+
+    import gcomp
+    state = gcomp.install(ddp_model, "topk", ratio=0.01)   # one hook, any registered method
+"""
+from gcomp.bucket import BucketInfo
+from gcomp.core import ALLGATHER, ALLREDUCE, Communicator, Compressor, Memory, Method, Payload
+from gcomp.hook import HookState, install
+from gcomp.memory import NoMemory, ResidualMemory
+from gcomp.params import OneOf, Range
+from gcomp.registry import UnknownMethodError, available, create, describe, register, spec
+
+from gcomp import compressors  # noqa: E402,F401  (registers the built-in methods)
+
+__version__ = "0.1.0"
+
+__all__ = ["ALLGATHER", "ALLREDUCE", "BucketInfo", "Communicator", "Compressor", "HookState", "Memory", "Method",
+           "NoMemory", "OneOf", "Payload", "Range", "ResidualMemory", "UnknownMethodError", "available", "create",
+           "describe", "install", "register", "spec"]

@@ -1,0 +1,5 @@
+import sys
+
+from gcomp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,30 @@
+"""All-gather of every payload tensor: each rank sees every other rank's payload."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
+
+
+class AllgatherCommunicator(Communicator):
+    """One asynchronous all-gather per payload tensor into a ``(world, *shape)`` tensor, then ``aggregate``.
+
+    Payload tensors must have the same shape on every rank (gloo and NCCL need equal sizes): codecs pad or
+    select a fixed count. Each rank receives ``world - 1`` payloads, so the traffic grows with the world size.
+    """
+
+    collective = ALLGATHER
+
+    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None
+                 ) -> torch.futures.Future:
+        world = dist.get_world_size(group)
+        outputs, futures = [], []
+        for t in payload.tensors:
+            out = t.new_empty(world * t.numel())  # gloo wants the flat form
+            futures.append(dist.all_gather_single(out, t.contiguous(), group=group, async_op=True).get_future())
+            outputs.append(out.view(world, *t.shape))
+        return torch.futures.collect_all(futures).then(lambda _: outputs)
+
+    def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx) -> torch.Tensor:
+        return compressor.aggregate(received, ctx)

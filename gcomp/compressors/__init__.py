@@ -1,0 +1,2 @@
+"""Built-in methods; importing this package registers them by name."""
+from gcomp.compressors import identity, lowprec, topk  # noqa: F401  (registration side effects)

@@ -1,0 +1,155 @@
+"""The three small abstract types every method is built from, and the payload they pass.
+
+One bucket flows as::
+
+    flat grads -> Memory.compensate -> Compressor.compress -> Payload
+               -> Communicator.exchange (collectives, chained futures)
+               -> Communicator.decode (Compressor.decompress or .aggregate) -> Memory already updated
+               -> mean gradient returned to DDP
+
+The hook divides the bucket by the world size before compressing (as PyTorch's own hooks do), so every
+sum over ranks that follows is already the mean.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gcomp.bucket import BucketInfo
+
+ALLREDUCE = "allreduce"
+ALLGATHER = "allgather"
+
+
+@dataclass
+class Payload:
+    """What one rank hands to the collectives for one bucket.
+
+    ``tensors`` go on the wire (their bytes are counted in ``bytes_sent``); ``ctx`` stays local and is
+    whatever the compressor needs to decode (shape, dtype, selected indices, ...).
+    """
+
+    tensors: list[torch.Tensor]
+    ctx: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class Compressor(ABC):
+    """A pure local codec: it never calls a collective itself.
+
+    Contract:
+    - ``collective`` says how payloads of several ranks may be combined: ``"allreduce"`` when they can be
+      summed element-wise on the wire (then ``decompress(sum of payloads) == sum of decompress(payload)``,
+      exactly for lossless codecs, in expectation for stochastic ones), or ``"allgather"`` when each rank's
+      payload must be seen separately and combined by ``aggregate``.
+    - ``decompress(compress(x).tensors, ctx)`` has the shape and dtype of ``x``.
+    - ``lossless`` is true only when that round trip is exact.
+    - Randomness comes from a ``torch.Generator`` the compressor owns, saved in ``state_dict``.
+    - No host synchronisation (``.item()``, ``.tolist()``) in ``compress`` / ``decompress``.
+    """
+
+    collective: ClassVar[str] = ALLREDUCE
+    lossless: ClassVar[bool] = False
+
+    @abstractmethod
+    def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Payload:
+        """Encode a flat gradient into the tensors that go on the wire."""
+
+    @abstractmethod
+    def decompress(self, tensors: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
+        """Decode one payload, or for ``allreduce`` codecs the element-wise sum of all ranks' payloads."""
+
+    def aggregate(self, gathered: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
+        """Sum over ranks of the decoded payloads (``allgather`` codecs).
+
+        ``gathered[j]`` stacks every rank's ``tensors[j]`` along a new leading dimension. This default decodes
+        rank by rank; codecs override it with one vectorised decode.
+        """
+        world = gathered[0].shape[0]
+        total = self.decompress([g[0] for g in gathered], ctx)
+        for r in range(1, world):
+            total = total + self.decompress([g[r] for g in gathered], ctx)
+        return total
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
+
+
+class Memory(ABC):
+    """Error feedback: what a lossy compressor did not send is added to the next gradient.
+
+    Contract (conservation, exact): after ``v = compensate(g, b)``, ``p = compressor.compress(v, b)`` and
+    ``update(v, b, compressor, p)``, the decoded payload plus the new residual equals ``v``, which is ``g``
+    plus the old residual.
+    """
+
+    stateful: ClassVar[bool] = False
+
+    @abstractmethod
+    def compensate(self, tensor: torch.Tensor, bucket: BucketInfo) -> torch.Tensor:
+        """Return the gradient plus whatever was held back for this bucket."""
+
+    @abstractmethod
+    def update(self, tensor: torch.Tensor, bucket: BucketInfo, compressor: Compressor, payload: Payload) -> None:
+        """Store what ``payload`` does not carry of ``tensor``."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
+
+
+class Communicator(ABC):
+    """Runs the collectives for one payload on a process group; never blocks the autograd thread.
+
+    ``exchange`` returns a ``torch.futures.Future`` whose value is the list of received tensors (summed for
+    all-reduce, stacked per rank for all-gather); ``decode`` turns that list into the mean gradient. A
+    multi-round scheme launches its rounds from ``exchange`` itself, never by waiting on a new collective
+    inside a ``.then`` callback (that deadlocks on gloo with several buckets).
+    """
+
+    collective: ClassVar[str] = ALLREDUCE
+
+    @abstractmethod
+    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None
+                 ) -> torch.futures.Future:
+        """Launch the collectives for ``payload.tensors``."""
+
+    @abstractmethod
+    def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx: Any) -> torch.Tensor:
+        """Turn what was received into the aggregated (mean) gradient."""
+
+
+@dataclass
+class Method:
+    """A configured compression method: the three parts plus the name and parameters it was created with."""
+
+    compressor: Compressor
+    memory: Memory
+    communicator: Communicator
+    name: str = "custom"
+    params: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.compressor.collective != self.communicator.collective:
+            raise ValueError(
+                f"{self.name}: {type(self.compressor).__name__} needs the '{self.compressor.collective}' collective "
+                f"but {type(self.communicator).__name__} runs '{self.communicator.collective}'")
+
+    @property
+    def stateful(self) -> bool:
+        """True when the method keeps per-bucket state across steps (and so waits for DDP's final buckets)."""
+        return self.memory.stateful or bool(getattr(self.compressor, "stateful", False))

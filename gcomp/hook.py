@@ -1,0 +1,167 @@
+"""The one DDP communication hook, and the state it keeps.
+
+No ``from __future__ import annotations`` here: DDP compares the hook's return annotation with
+``torch.futures.Future[torch.Tensor]`` itself, and a string would not match.
+"""
+import time
+from typing import Union
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from gcomp.bucket import BucketInfo
+from gcomp.collectives import AllreduceCommunicator
+from gcomp.core import Method, Payload
+from gcomp.registry import create
+
+STATE_FORMAT = "gcomp.hook/1"
+_STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "encode_s", "decode_s",
+              "warmup_steps", "dense_buckets", "layouts")
+
+
+class HookState:
+    """Everything the hook keeps between calls: the method, per-bucket layouts, statistics.
+
+    ``stats`` (a plain dict, summed over steps and buckets, this rank only):
+
+    - ``steps``: optimizer steps seen (DDP iterations whose last bucket went through the hook);
+    - ``buckets``: bucket reductions;
+    - ``bytes_sent``: payload bytes this rank handed to collectives, all rounds, all buckets;
+    - ``bytes_dense``: bytes a plain fp32 all-reduce of the same buckets would have handed over;
+    - ``encode_s`` / ``decode_s``: host seconds spent compressing (with error feedback) and decoding;
+    - ``warmup_steps``: steps sent as a plain all-reduce because DDP's buckets were not final yet
+      (stateful methods only; DDP rebuilds its buckets after step 0, after step 1 with ``static_graph``);
+    - ``dense_buckets``: bucket reductions sent as plain all-reduce for that reason;
+    - ``layouts``: distinct bucket layouts seen (a rebuild shows up here).
+    """
+
+    def __init__(self, method: Method, ddp: DistributedDataParallel, group: dist.ProcessGroup | None):
+        self.method = method
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self._names = {id(p): n for n, p in ddp.module.named_parameters()}
+        self._layouts: dict[tuple, BucketInfo] = {}
+        self._dense = AllreduceCommunicator()
+        self.iteration = 0
+        self.warmup = self._warmup_steps(ddp) if method.stateful else 0
+        self.stats: dict[str, Union[int, float]] = {k: 0 for k in _STAT_KEYS}
+        for k in ("encode_s", "decode_s"):
+            self.stats[k] = 0.0
+
+    @staticmethod
+    def _warmup_steps(ddp: DistributedDataParallel) -> int:
+        if getattr(ddp, "find_unused_parameters", False):
+            return 0  # buckets are built by size from the start and never rebuilt
+        return 2 if getattr(ddp, "static_graph", False) else 1
+
+    @property
+    def compression_ratio(self) -> float:
+        """``bytes_dense / bytes_sent`` so far (1.0 before the first step)."""
+        return self.stats["bytes_dense"] / self.stats["bytes_sent"] if self.stats["bytes_sent"] else 1.0
+
+    def bucket_info(self, bucket) -> BucketInfo:
+        buffer = bucket.buffer()
+        params = bucket.parameters()
+        signature = (bucket.index(), buffer.numel(), buffer.dtype, tuple(map(id, params)))
+        info = self._layouts.get(signature)
+        if info is None:
+            names = [self._names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
+            info = BucketInfo.from_layout(bucket.index(), buffer.dtype, names, [p.numel() for p in params])
+            self._layouts[signature] = info
+            self.stats["layouts"] = len(self._layouts)
+        return info
+
+    def reduce(self, bucket) -> torch.futures.Future:
+        """Average one bucket over the process group; returns a future of the mean gradient."""
+        buffer = bucket.buffer()
+        buffer.mul_(1.0 / self.world_size)  # the same scaling DDP's own reducer applies
+        stats = self.stats
+        stats["buckets"] += 1
+        stats["bytes_dense"] += buffer.numel() * 4
+        warming_up = self.iteration < self.warmup
+        if bucket.is_last():
+            self.iteration += 1
+            stats["steps"] += 1
+            stats["warmup_steps"] += int(warming_up)
+        if warming_up:
+            stats["dense_buckets"] += 1
+            stats["bytes_sent"] += buffer.numel() * buffer.element_size()
+            return self._dense.exchange(Payload([buffer]), None, self.group).then(lambda f: f.value()[0])
+
+        method = self.method
+        info = self.bucket_info(bucket)
+        start = time.perf_counter()
+        compensated = method.memory.compensate(buffer, info)
+        payload = method.compressor.compress(compensated, info)
+        method.memory.update(compensated, info, method.compressor, payload)
+        stats["encode_s"] += time.perf_counter() - start
+        stats["bytes_sent"] += payload.nbytes
+        communicator, compressor = method.communicator, method.compressor
+
+        def decode(fut: torch.futures.Future) -> torch.Tensor:
+            begin = time.perf_counter()
+            out = communicator.decode(fut.value(), compressor, payload.ctx)
+            stats["decode_s"] += time.perf_counter() - begin
+            return out
+
+        return communicator.exchange(payload, compressor, self.group).then(decode)
+
+    def state_dict(self) -> dict:
+        """Tensors and plain values only, so ``torch.load(path, weights_only=True)`` reads it back."""
+        return {"format": STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
+                "iteration": self.iteration, "stats": dict(self.stats),
+                "memory": self.method.memory.state_dict(), "compressor": self.method.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()``; the method and its parameters must be the ones installed."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a gcomp hook state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
+        if state["method"] != self.method.name or state["params"] != self.method.params:
+            raise ValueError(f"checkpoint is for {state['method']}({state['params']}), "
+                             f"the installed method is {self.method.name}({self.method.params})")
+        self.method.memory.load_state_dict(state["memory"])
+        self.method.compressor.load_state_dict(state["compressor"])
+        # Residuals are stored per parameter and map onto any bucket layout, so a resumed run compresses at
+        # once instead of waiting again for the new DDP's buckets to settle.
+        self.warmup = max(0, self.warmup - state["iteration"])
+        self.iteration = 0
+        self.resumed_from = state["iteration"]
+        self.stats = {k: state["stats"].get(k, 0) for k in _STAT_KEYS}
+
+
+def gcomp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook every gcomp method runs through."""
+    return state.reduce(bucket)
+
+
+def install(ddp_model: DistributedDataParallel, name_or_method: Union[str, Method],
+            process_group: dist.ProcessGroup | None = None, **params) -> HookState:
+    """Register gcomp's communication hook on a DDP model and return its state.
+
+    ``name_or_method`` is a registered name (``params`` go to ``gcomp.create``) or a ``Method`` built by hand.
+    Collectives run on ``process_group``, by default the DDP model's own.
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"gcomp.install needs a torch.nn.parallel.DistributedDataParallel model; got "
+                        f"{type(ddp_model).__name__}. Wrap it first: DistributedDataParallel(model)")
+    if getattr(ddp_model, "_gcomp_state", None) is not None:
+        raise RuntimeError(f"a gcomp hook ({ddp_model._gcomp_state.method.name}) is already installed on this "
+                           "model; DDP takes one communication hook per model: build a new DDP model to change it")
+    if isinstance(name_or_method, str):
+        method = create(name_or_method, **params)
+    elif isinstance(name_or_method, Method):
+        if params:
+            raise ValueError(f"parameters {sorted(params)} were given with an already created Method; "
+                             "pass them to gcomp.create instead")
+        method = name_or_method
+    else:
+        raise TypeError(f"name_or_method must be a method name or a gcomp.Method; got {type(name_or_method).__name__}")
+    state = HookState(method, ddp_model, process_group if process_group is not None else ddp_model.process_group)
+    try:
+        ddp_model.register_comm_hook(state, gcomp_hook)
+    except RuntimeError as err:
+        raise RuntimeError("this DDP model already has a communication hook (DDP takes one per model, and its "
+                           f"mixed_precision option registers its own): {err}") from err
+    ddp_model._gcomp_state = state
+    return state

@@ -1,0 +1,124 @@
+"""Selection by name: ``register``, ``create``, ``available``, ``describe`` and the ``gcomp.methods`` entry points."""
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Callable
+
+from gcomp.core import Method
+from gcomp.params import ParamSpec, specs_from_signature
+
+ENTRY_POINT_GROUP = "gcomp.methods"
+
+
+class UnknownMethodError(ValueError):
+    """No method is registered under that name."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered method: its factory, parameters and where it comes from."""
+
+    name: str
+    factory: Callable[..., Method]
+    params: dict[str, ParamSpec]
+    summary: str
+    paper: str
+
+    def create(self, **params) -> Method:
+        unknown = set(params) - set(self.params)
+        if unknown:
+            raise ValueError(f"{self.name}: unknown parameter(s) {', '.join(sorted(unknown))}; "
+                             f"accepted: {', '.join(self.params) or 'none'}")
+        values = {n: s.default for n, s in self.params.items()}
+        values.update({n: self.params[n].validate(self.name, v) for n, v in params.items()})
+        method = self.factory(**values)
+        method.name, method.params = self.name, values
+        return method
+
+
+_REGISTRY: dict[str, MethodSpec] = {}
+_entry_points_loaded = False
+
+
+def register(name: str, *, paper: str = "", override: bool = False) -> Callable:
+    """Decorator: register a factory ``(**params) -> Method`` under ``name``.
+
+    Every parameter needs a default; annotate it as ``Annotated[float, Range(0, 1), "help"]`` to have it
+    validated when the method is created.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a method name must be a non-empty string; got {name!r}")
+
+    def decorator(factory: Callable[..., Method]) -> Callable[..., Method]:
+        if name in _REGISTRY and not override and _REGISTRY[name].factory is not factory:
+            raise ValueError(f"a method named '{name}' is already registered (pass override=True to replace it)")
+        doc = inspect.getdoc(factory) or ""
+        _REGISTRY[name] = MethodSpec(name, factory, specs_from_signature(name, factory),
+                                     doc.split("\n\n")[0].replace("\n", " "), paper)
+        return factory
+
+    return decorator
+
+
+def load_entry_points(force: bool = False) -> None:
+    """Import the methods third-party packages declare in the ``gcomp.methods`` entry-point group.
+
+    An entry point may name a module (importing it registers its methods) or a factory, which is registered
+    under the entry point's name unless it registered itself.
+    """
+    global _entry_points_loaded
+    if _entry_points_loaded and not force:
+        return
+    _entry_points_loaded = True
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        obj = ep.load()
+        if ep.name not in _REGISTRY and callable(obj) and not inspect.ismodule(obj):
+            register(ep.name)(obj)
+
+
+def _spec(name: str) -> MethodSpec:
+    load_entry_points()
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, _REGISTRY, n=3, cutoff=0.4) if isinstance(name, str) else []
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise UnknownMethodError(f"unknown gradient-compression method {name!r}{hint} "
+                                 f"(registered: {', '.join(sorted(_REGISTRY))})")
+    return _REGISTRY[name]
+
+
+def available() -> list[str]:
+    """Sorted names of every registered method."""
+    load_entry_points()
+    return sorted(_REGISTRY)
+
+
+def create(name: str, **params) -> Method:
+    """A configured ``Method``; parameters are validated here, before any training starts."""
+    return _spec(name).create(**params)
+
+
+def spec(name: str) -> MethodSpec:
+    """The registration record of ``name`` (factory, parameter specs, summary)."""
+    return _spec(name)
+
+
+def describe(name: str) -> str:
+    """A human-readable description: summary, collective, wire format, parameters with defaults and ranges."""
+    s = _spec(name)
+    method = s.create()
+    comp = method.compressor
+    lines = [f"{name}: {s.summary}",
+             f"  collective: {method.communicator.collective}"
+             f" ({type(comp).__name__} + {type(method.memory).__name__} + {type(method.communicator).__name__})",
+             f"  lossless: {'yes' if comp.lossless else 'no'}; state across steps: {'yes' if method.stateful else 'no'}"]
+    if s.paper:
+        lines.append(f"  paper: {s.paper}")
+    lines.append("  parameters:" if s.params else "  parameters: none")
+    lines += [f"    {p.describe()}" for p in s.params.values()]
+    doc = inspect.getdoc(type(comp)) or ""
+    if doc:
+        lines.append("  on the wire: " + doc.split("\n\n")[0].replace("\n", " "))
+    return "\n".join(lines)
