@@ -43,7 +43,8 @@ class HookState:
         self._names = {id(p): n for n, p in ddp.module.named_parameters()}
         self._layouts: dict[tuple, BucketInfo] = {}
         self._dense = AllreduceCommunicator()
-        self.iteration = 0
+        self.iteration = 0  # steps seen since install or since load_state_dict
+        self.resumed_from = 0  # the step count a loaded checkpoint had reached
         self.warmup = self._warmup_steps(ddp) if method.stateful else 0
         self.stats: dict[str, Union[int, float]] = {k: 0 for k in _STAT_KEYS}
         for k in ("encode_s", "decode_s"):
@@ -110,7 +111,7 @@ class HookState:
     def state_dict(self) -> dict:
         """Tensors and plain values only, so ``torch.load(path, weights_only=True)`` reads it back."""
         return {"format": STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
-                "iteration": self.iteration, "stats": dict(self.stats),
+                "iteration": self.resumed_from + self.iteration, "stats": dict(self.stats),
                 "memory": self.method.memory.state_dict(), "compressor": self.method.compressor.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -82,7 +82,10 @@ class ParamSpec:
             raise ValueError(f"{method}: parameter '{self.name}' must be {_TYPE_NAMES.get(self.type, self.type.__name__)}"
                              f"{allowed}; got {value!r}")
         if self.type is float:
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise ValueError(f"{method}: parameter '{self.name}' must be a float{allowed}; got {value!r}") from None
         if self.allowed is not None and value not in self.allowed:
             raise ValueError(f"{method}: parameter '{self.name}' must be{allowed}; got {value!r}")
         return value

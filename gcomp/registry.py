@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Callable
@@ -56,7 +57,13 @@ def register(name: str, *, paper: str = "", override: bool = False) -> Callable:
         if name in _REGISTRY and not override and _REGISTRY[name].factory is not factory:
             raise ValueError(f"a method named '{name}' is already registered (pass override=True to replace it)")
         doc = inspect.getdoc(factory) or ""
-        _REGISTRY[name] = MethodSpec(name, factory, specs_from_signature(name, factory),
+        params = specs_from_signature(name, factory)
+        for p in params.values():
+            try:
+                p.validate(name, p.default)
+            except ValueError as err:
+                raise ValueError(f"the default of a registered method is invalid: {err}") from None
+        _REGISTRY[name] = MethodSpec(name, factory, params,
                                      doc.split("\n\n")[0].replace("\n", " "), paper)
         return factory
 
@@ -74,7 +81,11 @@ def load_entry_points(force: bool = False) -> None:
         return
     _entry_points_loaded = True
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        obj = ep.load()
+        try:
+            obj = ep.load()
+        except Exception as err:  # one broken plugin must not hide the built-ins or the other plugins
+            warnings.warn(f"gcomp: could not load method plugin {ep.name!r} ({ep.value}): {err}", stacklevel=2)
+            continue
         if ep.name not in _REGISTRY and callable(obj) and not inspect.ismodule(obj):
             register(ep.name)(obj)
 
