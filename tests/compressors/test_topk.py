@@ -1,0 +1,329 @@
+"""``topk``: the codec's properties (hypothesis), error-feedback conservation, ratio=1 equals the dense mean on
+several ranks, non-finite values always sent, residuals surviving a change of bucket layout."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import gcomp
+from gcomp import BucketInfo, ResidualMemory
+from gcomp.compressors.topk import TopKCompressor
+from tests.distributed import run_ranks
+from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, mlp
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+KINDS = ["normal", "ties", "wide"]
+
+PROPERTY = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+ratios = st.one_of(st.floats(min_value=0.0, max_value=1.0, exclude_min=True, allow_nan=False, allow_subnormal=False),
+                   st.sampled_from([1.0, 0.5, 1e-9, 0.999]))
+
+
+def _k(n: int, ratio: float) -> int:
+    return max(1, int(ratio * n))
+
+
+def _values(n: int, dtype: torch.dtype, seed: int, kind: str) -> torch.Tensor:
+    """``normal``: Gaussian; ``ties``: small integers (many equal magnitudes, exact sums); ``wide``: magnitudes
+    spread over eight decades, small enough that a sum over 8 ranks stays within float16's range."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+    elif kind == "ties":
+        x = torch.randint(-3, 4, (n,), generator=g).to(torch.float64)
+    else:
+        x = torch.randn(n, generator=g, dtype=torch.float64) * 10 ** torch.empty(n, dtype=torch.float64).uniform_(
+            -4, 4, generator=g)
+        x = x.clamp(-6000, 6000)
+    return x.to(dtype)
+
+
+# --- the codec ----------------------------------------------------------------------------------------------
+
+
+@PROPERTY
+@given(n=st.integers(1, 2000), dtype=st.sampled_from(DTYPES), ratio=ratios, seed=st.integers(0, 2**31 - 1),
+       kind=st.sampled_from(KINDS))
+def test_compress_sends_the_k_largest_and_decompress_places_them(n, dtype, ratio, seed, kind):
+    x = _values(n, dtype, seed, kind)
+    comp = TopKCompressor(ratio)
+    payload = comp.compress(x, BucketInfo.single(x))
+    k = _k(n, ratio)
+
+    values, index = payload.tensors
+    assert values.dtype == dtype and values.shape == (k,)
+    assert index.dtype == torch.int32 and index.shape == (k,)
+    assert payload.nbytes == k * (x.element_size() + 4)
+    index64 = index.long()
+    assert int(index64.min()) >= 0 and int(index64.max()) < n
+    assert index64.unique().numel() == k
+    assert torch.equal(values, x[index64])
+
+    out = comp.decompress(payload.tensors, payload.ctx)
+    assert out.shape == x.shape and out.dtype == dtype
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[index64] = True
+    assert torch.equal(out[index64], values)
+    assert torch.equal(out[~kept], torch.zeros(n - k, dtype=dtype))
+
+    magnitude = x.double().abs()
+    if k < n:
+        assert magnitude[kept].min() >= magnitude[~kept].max()  # the k-th largest magnitude is the threshold
+    threshold = magnitude.sort(descending=True).values[k - 1]
+    assert (magnitude > threshold).logical_and(~kept).sum() == 0
+    assert (magnitude[kept] >= threshold).all()
+
+
+@PROPERTY
+@given(n=st.integers(1, 2000), dtype=st.sampled_from(DTYPES), ratio=ratios, seed=st.integers(0, 2**31 - 1),
+       kind=st.sampled_from(KINDS), world=st.integers(1, 8))
+def test_aggregate_of_a_stack_is_the_sum_of_decompressions(n, dtype, ratio, seed, kind, world):
+    comp = TopKCompressor(ratio)
+    base = _values(n, torch.float64, seed, kind)
+    payloads = []
+    for r in range(world):  # a shared base with a little per-rank noise: the ranks pick overlapping entries
+        noise = _values(n, torch.float64, seed + 1 + r, "ties" if kind == "ties" else "normal")
+        x = (base + (noise.sign() if kind == "ties" else 0.1 * noise)).to(dtype)
+        payloads.append(comp.compress(x, BucketInfo.single(x)))
+    ctx = payloads[0].ctx
+    gathered = [torch.stack([p.tensors[j] for p in payloads]) for j in range(2)]
+    assert gathered[0].shape == (world, _k(n, ratio))
+
+    out = comp.aggregate(gathered, ctx)
+    assert out.shape == (n,) and out.dtype == dtype
+    decoded = torch.stack([comp.decompress(p.tensors, p.ctx).double() for p in payloads])
+    expected = decoded.sum(0)
+    if kind == "ties":  # small integers: every partial sum is exact in every dtype
+        assert torch.equal(out.double(), expected)
+    else:
+        info = torch.finfo(dtype)
+        bound = world * info.eps * decoded.abs().sum(0) + world * info.tiny
+        assert ((out.double() - expected).abs() <= bound).all()
+    # the entries no rank selected stay exactly zero
+    selected = torch.zeros(n, dtype=torch.bool)
+    selected[gathered[1].reshape(-1).long()] = True
+    assert torch.equal(out[~selected], torch.zeros(int((~selected).sum()), dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_entries_chosen_by_several_ranks_are_summed(dtype):
+    comp = TopKCompressor(0.5)
+    xs = [torch.tensor([5.0, 0.0, 1.0, -7.0]), torch.tensor([3.0, 2.0, 0.0, -4.0]), torch.tensor([0.0, 0.5, 6.0, 1.0])]
+    payloads = [comp.compress(x.to(dtype), BucketInfo.single(x.to(dtype))) for x in xs]
+    gathered = [torch.stack([p.tensors[j] for p in payloads]) for j in range(2)]
+    out = comp.aggregate(gathered, payloads[0].ctx)
+    # rank 0 sends {0: 5, 3: -7}, rank 1 {0: 3, 3: -4}, rank 2 {2: 6, 3: 1}
+    assert torch.equal(out, torch.tensor([8.0, 0.0, 6.0, -10.0], dtype=dtype))
+
+
+# --- non-finite values --------------------------------------------------------------------------------------
+
+
+@PROPERTY
+@given(n=st.integers(2, 600), dtype=st.sampled_from(DTYPES), ratio=ratios, seed=st.integers(0, 2**31 - 1),
+       data=st.data())
+def test_nan_and_inf_are_always_selected(n, dtype, ratio, seed, data):
+    k = _k(n, ratio)
+    count = data.draw(st.integers(1, min(n, 2 * k)), label="non-finite entries")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    x[torch.randperm(n, generator=g)[: n // 4]] = torch.finfo(dtype).max / 2  # huge finite rivals
+    where = torch.randperm(n, generator=g)[:count]
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype)
+    x[where] = specials[torch.randint(0, 3, (count,), generator=g)]
+
+    comp = TopKCompressor(ratio)
+    payload = comp.compress(x, BucketInfo.single(x))
+    values, index = payload.tensors
+    sent = set(index.long().tolist())
+    nonfinite = set(where.tolist())
+    if count <= k:
+        assert nonfinite <= sent
+    else:
+        assert sent <= nonfinite
+    out = comp.decompress(payload.tensors, payload.ctx)
+    chosen = torch.tensor(sorted(nonfinite & sent))
+    assert torch.equal(out[chosen].isnan(), x[chosen].isnan())
+    assert torch.equal(out[chosen].isposinf(), x[chosen].isposinf())
+    assert torch.equal(out[chosen].isneginf(), x[chosen].isneginf())
+
+    # stacked with a finite rank, the non-finite entries still come out non-finite
+    other = comp.compress(torch.ones(n, dtype=dtype), BucketInfo.single(x))
+    gathered = [torch.stack([payload.tensors[j], other.tensors[j]]) for j in range(2)]
+    assert not comp.aggregate(gathered, payload.ctx)[chosen].isfinite().any()
+
+
+# --- error feedback -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [0.03, 0.5, 1.0])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_error_feedback_conservation_is_exact(dtype, ratio):
+    method = gcomp.create("topk", ratio=ratio)
+    comp, memory = method.compressor, method.memory
+    assert isinstance(memory, ResidualMemory)
+    info = BucketInfo.from_layout(0, dtype, ["a", "b"], [200, 57])
+    g = torch.Generator().manual_seed(7)
+
+    def residual() -> torch.Tensor:
+        stored = memory.state_dict()["residuals"]
+        if not stored:
+            return torch.zeros(info.numel, dtype=dtype)
+        return torch.cat([stored[name].reshape(-1) for name in info.names])
+
+    for step in range(6):
+        grad = (torch.randn(info.numel, generator=g, dtype=torch.float64) * (step + 1)).to(dtype)
+        old = residual()
+        compensated = memory.compensate(grad, info)
+        assert torch.equal(compensated, grad + old)
+        payload = comp.compress(compensated, info)
+        memory.update(compensated, info, comp, payload)
+        new = residual()
+        sent = comp.decompress(payload.tensors, payload.ctx)
+        assert torch.equal(sent + new, grad + old)
+        if ratio < 1.0:
+            assert new.count_nonzero() > 0  # something was held back, so the check above meant something
+        else:
+            assert new.count_nonzero() == 0
+
+
+# --- ratio 1 through DDP: the dense mean --------------------------------------------------------------------
+
+
+def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    x, y = batch(step, rank)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _topk_ratio_one_job(bucket_cap_mb: float | None, steps: int):
+    """DDP with topk(ratio=1) next to a hand-made mean: each local gradient scaled by 1/world, SUM all-reduced."""
+    torch.manual_seed(0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, reference = mlp(seed=0), mlp(seed=0)
+    kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    net = ddp(model, **kwargs)
+    state = gcomp.install(net, "topk", ratio=1.0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    compared = []
+    for step in range(state.warmup + steps):
+        reference.load_state_dict(model.state_dict())
+        reference.zero_grad()
+        _loss(reference, step, rank).backward()
+        manual = [p.grad * (1.0 / world) for p in reference.parameters()]
+        for grad in manual:
+            dist.all_reduce(grad)
+        opt.zero_grad()
+        _loss(net, step, rank).backward()
+        if step >= state.warmup:
+            compared.append(([p.grad.clone() for p in model.parameters()], manual))
+        opt.step()
+    return compared, dict(state.stats), state.warmup
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [None, SEVERAL_BUCKETS_MB], ids=["one-bucket", "several-buckets"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_topk_ratio_one_equals_the_dense_mean(world, bucket_cap_mb):
+    steps = 3
+    results = run_ranks(world, _topk_ratio_one_job, bucket_cap_mb, steps)
+    for compared, stats, warmup in results:
+        assert warmup >= 1 and stats["warmup_steps"] == warmup
+        assert stats["buckets"] - stats["dense_buckets"] >= steps  # the topk path really ran
+        assert len(compared) == steps
+        for got, manual in compared:
+            for g, m in zip(got, manual):
+                if world == 2:  # a sum of two terms does not depend on the order: bit for bit
+                    assert torch.equal(g, m)
+                else:
+                    torch.testing.assert_close(g, m, rtol=1e-6, atol=1e-8)
+    first = results[0][0]
+    for compared, _, _ in results[1:]:  # every rank ends with the same gradients
+        for (got, _), (got0, _) in zip(compared, first):
+            assert all(torch.equal(a, b) for a, b in zip(got, got0))
+
+
+# --- residuals across a change of bucket layout -------------------------------------------------------------
+
+
+def _warm_memory(ratio: float = 0.2):
+    """A ResidualMemory with residuals in layout A: parameters a (30) and b (12) in one bucket."""
+    comp, memory = TopKCompressor(ratio), ResidualMemory()
+    layout_a = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [30, 12])
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        grad = torch.randn(42, generator=g)
+        v = memory.compensate(grad, layout_a)
+        memory.update(v, layout_a, comp, comp.compress(v, layout_a))
+    return memory, layout_a
+
+
+def test_residual_state_dict_is_per_parameter_name():
+    memory, layout_a = _warm_memory()
+    state = memory.state_dict()
+    assert set(state) == {"residuals"}
+    residuals = state["residuals"]
+    assert set(residuals) == {"a", "b"}
+    assert residuals["a"].numel() == 30 and residuals["b"].numel() == 12
+    whole = memory.compensate(torch.zeros(42), layout_a)
+    assert torch.equal(whole, torch.cat([residuals["a"], residuals["b"]]))
+    assert residuals["a"].count_nonzero() > 0 and residuals["b"].count_nonzero() > 0
+
+
+def _layout_b(kind: str) -> list[BucketInfo]:
+    if kind == "reversed":
+        return [BucketInfo.from_layout(0, torch.float32, ["b", "a"], [12, 30])]
+    if kind == "split":
+        return [BucketInfo.from_layout(0, torch.float32, ["b"], [12]),
+                BucketInfo.from_layout(1, torch.float32, ["a"], [30])]
+    assert kind == "with-new-parameter"
+    return [BucketInfo.from_layout(0, torch.float32, ["c", "a"], [5, 30]),
+            BucketInfo.from_layout(1, torch.float32, ["b"], [12])]
+
+
+@pytest.mark.parametrize("via_checkpoint", [False, True], ids=["live", "checkpoint"])
+@pytest.mark.parametrize("kind", ["reversed", "split", "with-new-parameter"])
+def test_residuals_move_to_a_new_layout_parameter_by_parameter(kind, via_checkpoint):
+    memory, _ = _warm_memory()
+    before = {name: t.clone() for name, t in memory.state_dict()["residuals"].items()}
+    if via_checkpoint:
+        state = memory.state_dict()
+        memory = ResidualMemory()
+        memory.load_state_dict(state)
+
+    comp = TopKCompressor(0.2)
+    for info in _layout_b(kind):
+        compensated = memory.compensate(torch.zeros(info.numel), info)
+        for name, offset, numel in info.segments():
+            expected = before.get(name, torch.zeros(numel))
+            assert torch.equal(compensated[offset:offset + numel], expected), name
+        memory.update(compensated, info, comp, comp.compress(compensated, info))
+
+    # the residuals are now keyed by the new layout's parameters, the old ones included
+    after = memory.state_dict()["residuals"]
+    assert set(after) == {info_name for info in _layout_b(kind) for info_name in info.names}
+    assert set(before) <= set(after)
+
+
+def test_residuals_survive_a_real_ddp_rebuild_like_sequence():
+    """Layout A, then B, then A again: each move keeps every parameter's residual exactly."""
+    memory, layout_a = _warm_memory(ratio=0.1)
+    comp = TopKCompressor(0.1)
+    g = torch.Generator().manual_seed(11)
+    layouts = [_layout_b("split"), [layout_a], _layout_b("reversed")]
+    for buckets in layouts:
+        before = {name: t.clone() for name, t in memory.state_dict()["residuals"].items()}
+        for info in buckets:
+            grad = torch.randn(info.numel, generator=g)
+            v = memory.compensate(grad, info)
+            for name, offset, numel in info.segments():
+                assert torch.equal(v[offset:offset + numel], grad[offset:offset + numel] + before[name])
+            payload = comp.compress(v, info)
+            memory.update(v, info, comp, payload)
+            sent = comp.decompress(payload.tensors, payload.ctx)
+            after = memory.state_dict()["residuals"]
+            for name, offset, numel in info.segments():
+                assert torch.equal(sent[offset:offset + numel] + after[name], v[offset:offset + numel])
