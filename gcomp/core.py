@@ -41,7 +41,18 @@ class Payload:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
-class Compressor(ABC):
+class _Checkpointed:
+    """Default checkpointing for a part that keeps no state; stateful parts override both methods."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
+
+
+class Compressor(_Checkpointed, ABC):
     """A pure local codec: it never calls a collective itself.
 
     Contract:
@@ -78,15 +89,8 @@ class Compressor(ABC):
             total = total + self.decompress([g[r] for g in gathered], ctx)
         return total
 
-    def state_dict(self) -> dict:
-        return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
-
-
-class Memory(ABC):
+class Memory(_Checkpointed, ABC):
     """Error feedback: what a lossy compressor did not send is added to the next gradient.
 
     Contract (conservation, exact): after ``v = compensate(g, b)``, ``p = compressor.compress(v, b)`` and
@@ -103,13 +107,6 @@ class Memory(ABC):
     @abstractmethod
     def update(self, tensor: torch.Tensor, bucket: BucketInfo, compressor: Compressor, payload: Payload) -> None:
         """Store what ``payload`` does not carry of ``tensor``."""
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
 
 
 class Communicator(ABC):
