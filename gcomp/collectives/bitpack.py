@@ -1,0 +1,68 @@
+"""Bit packing into int64 words: k-bit codes for all-gather, and integer lanes that survive a SUM all-reduce.
+
+A value in ``[0, 2**bits)`` goes into a ``bits``-wide field; ``64 // bits`` fields share one int64 word.
+Summing packed words over N ranks sums every field at once, and no carry crosses into the next field as
+long as each field's sum stays below ``2**bits``; ``lane_bits(N, max_value)`` picks that width. gloo and
+NCCL both sum int64 (gloo has no int16), and a SUM that runs into the sign bit wraps modulo 2**64, which
+leaves every field intact: the top field may use the sign bit.
+"""
+from __future__ import annotations
+
+import torch
+
+WORD_BITS = 64
+
+
+def lane_bits(world_size: int, max_value: int = 2) -> int:
+    """The narrowest field holding the sum over ``world_size`` ranks of values in ``[0, max_value]``.
+
+    For ternary codes stored as t + 1 (``max_value=2``) that is ceil(log2(2N + 1)): 2 bits for one rank,
+    4 for four, 12 for 1024.
+    """
+    if world_size < 1 or max_value < 1:
+        raise ValueError(f"world_size and max_value must be at least 1; got {world_size}, {max_value}")
+    bits = (world_size * max_value).bit_length()
+    if bits > WORD_BITS - 1:
+        raise ValueError(f"a sum of {world_size} values up to {max_value} needs {bits} bits, more than a lane holds")
+    return bits
+
+
+def fields_per_word(bits: int) -> int:
+    if not 1 <= bits <= WORD_BITS - 1:
+        raise ValueError(f"bits must be in [1, {WORD_BITS - 1}]; got {bits}")
+    return WORD_BITS // bits
+
+
+def packed_words(n: int, bits: int) -> int:
+    """How many int64 words ``n`` fields of ``bits`` bits take."""
+    per_word = fields_per_word(bits)
+    return -(-n // per_word)
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a flat integer tensor with entries in ``[0, 2**bits)`` into int64 words (field j of word w holds
+    ``values[w * per_word + j]``). Entries outside that range corrupt their neighbours: callers guarantee it.
+    """
+    per_word = fields_per_word(bits)
+    n = values.numel()
+    words = -(-n // per_word)
+    if n != words * per_word:  # pad in the narrow input dtype, never in int64
+        values = torch.cat([values.reshape(-1), values.new_zeros(words * per_word - n)])
+    columns = values.reshape(words, per_word)
+    out = columns[:, 0].to(torch.int64, copy=True)  # copy: an int64 input must not be written to
+    for j in range(1, per_word):  # one vectorised pass per field, at most 64
+        out.bitwise_or_(columns[:, j].to(torch.int64).bitwise_left_shift(j * bits))
+    return out
+
+
+def unpack(words: torch.Tensor, n: int, bits: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """The ``n`` fields packed in ``words`` (each field's value, or its sum over ranks after an all-reduce)."""
+    per_word = fields_per_word(bits)
+    if words.numel() * per_word < n:
+        raise ValueError(f"{words.numel()} words of {per_word} fields cannot hold {n} fields")
+    mask = (1 << bits) - 1
+    out = torch.empty(words.numel(), per_word, dtype=dtype, device=words.device)
+    for j in range(per_word):
+        # The arithmetic shift of a negative word fills with ones; the mask removes them.
+        out[:, j] = words.bitwise_right_shift(j * bits).bitwise_and_(mask)
+    return out.reshape(-1)[:n]
