@@ -43,12 +43,9 @@ class HookState:
         self._names = {id(p): n for n, p in ddp.module.named_parameters()}
         self._layouts: dict[tuple, BucketInfo] = {}
         self._dense = AllreduceCommunicator()
-        self.iteration = 0  # steps seen since install or since load_state_dict
-        self.resumed_from = 0  # the step count a loaded checkpoint had reached
+        self.iteration = 0  # steps taken, a resumed checkpoint's included
         self.warmup = self._warmup_steps(ddp) if method.stateful else 0
-        self.stats: dict[str, Union[int, float]] = {k: 0 for k in _STAT_KEYS}
-        for k in ("encode_s", "decode_s"):
-            self.stats[k] = 0.0
+        self.stats: dict[str, Union[int, float]] = {k: 0.0 if k.endswith("_s") else 0 for k in _STAT_KEYS}
 
     @staticmethod
     def _warmup_steps(ddp: DistributedDataParallel) -> int:
@@ -111,7 +108,7 @@ class HookState:
     def state_dict(self) -> dict:
         """Tensors and plain values only, so ``torch.load(path, weights_only=True)`` reads it back."""
         return {"format": STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
-                "iteration": self.resumed_from + self.iteration, "stats": dict(self.stats),
+                "iteration": self.iteration, "stats": dict(self.stats),
                 "memory": self.method.memory.state_dict(), "compressor": self.method.compressor.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -123,11 +120,9 @@ class HookState:
                              f"the installed method is {self.method.name}({self.method.params})")
         self.method.memory.load_state_dict(state["memory"])
         self.method.compressor.load_state_dict(state["compressor"])
-        # Residuals are stored per parameter and map onto any bucket layout, so a resumed run compresses at
-        # once instead of waiting again for the new DDP's buckets to settle.
-        self.warmup = max(0, self.warmup - state["iteration"])
-        self.iteration = 0
-        self.resumed_from = state["iteration"]
+        # Counting on from the checkpoint's step means a resumed run does not warm up again: residuals are
+        # stored per parameter and map onto the new DDP's buckets, whatever their layout.
+        self.iteration = state["iteration"]
         self.stats = {k: state["stats"].get(k, 0) for k in _STAT_KEYS}
 
 
