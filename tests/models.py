@@ -43,3 +43,7 @@ def train(model: nn.Module, steps: int, start: int = 0, lr: float = 0.1) -> list
 
 def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def flat_grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.detach().reshape(-1).clone() for p in model.parameters()])

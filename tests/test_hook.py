@@ -14,7 +14,7 @@ from torch import nn
 
 import gcomp
 from tests.distributed import run_ranks
-from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, flat_params, mlp, train
+from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, flat_grads, flat_params, mlp, train
 
 STEPS = 20
 LR = 0.1
@@ -81,10 +81,6 @@ def record_groups():
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-
-
-def flat_grads(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.detach().reshape(-1).clone() for p in model.parameters()])
 
 
 def topk_bytes(numel: int, ratio: float) -> int:

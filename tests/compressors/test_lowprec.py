@@ -9,7 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compr
 
 import gcomp
 from tests.distributed import run_ranks
-from tests.models import batch, ddp, flat_params, mlp
+from tests.models import batch, ddp, flat_grads, flat_params, mlp
 
 LR = 0.1
 STEPS = 5
@@ -17,16 +17,12 @@ U16 = 2.0 ** -11  # unit roundoff of float16 (half its eps)
 TINY16 = 2.0 ** -24  # smallest float16 subnormal: the absolute rounding step near zero
 
 
-def _grads(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.detach().reshape(-1).clone() for p in model.parameters()])
-
-
 def _step(model: nn.Module, step: int) -> torch.Tensor:
     """Forward and backward on this rank's batch; returns the (reduced, for DDP) flat gradient."""
     model.zero_grad(set_to_none=True)
     x, y = batch(step, dist.get_rank())
     nn.functional.cross_entropy(model(x), y).backward()
-    return _grads(model)
+    return flat_grads(model)
 
 
 def _sgd(model: nn.Module) -> None:
