@@ -43,7 +43,12 @@ class ResidualMemory(Memory):
         return tensor if residual is None else tensor + residual
 
     def update(self, tensor: torch.Tensor, bucket: BucketInfo, compressor: Compressor, payload: Payload) -> None:
-        residual = tensor - compressor.decompress(payload.tensors, payload.ctx)
+        sent = compressor.decompress(payload.tensors, payload.ctx)
+        residual = self._residuals.get(bucket.key)
+        if residual is None:
+            residual = torch.empty_like(tensor)
+        # The old residual is already inside ``tensor`` (compensate), so its storage takes the new one.
+        torch.sub(tensor, sent, out=residual)
         self._residuals[bucket.key] = torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
         self._layouts[bucket.key] = bucket
 
