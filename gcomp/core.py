@@ -68,6 +68,15 @@ class Compressor(_Checkpointed, ABC):
 
     collective: ClassVar[str] = ALLREDUCE
     lossless: ClassVar[bool] = False
+    stat_keys: ClassVar[tuple[str, ...]] = ()  # extra counters this codec adds to ``HookState.stats``
+
+    def bind(self, model: torch.nn.Module | None, group: dist.ProcessGroup | None, stats: dict) -> None:
+        """Called once when the hook is set up, with the DDP model's module, the process group and the hook's
+        ``stats`` dict (holding this codec's ``stat_keys``, to be counted up in place).
+
+        Codecs that read the model (PacTrain reads its pruning masks) or need their rank keep what they need;
+        the default keeps nothing. A codec used outside a hook is never bound.
+        """
 
     @abstractmethod
     def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Payload:

@@ -34,6 +34,9 @@ class HookState:
       (stateful methods only; DDP rebuilds its buckets after step 0, after step 1 with ``static_graph``);
     - ``dense_buckets``: bucket reductions sent as plain all-reduce for that reason;
     - ``layouts``: distinct bucket layouts seen (a rebuild shows up here).
+
+    A method may add counters of its own (its compressor's ``stat_keys``; ``pactrain`` counts its mask
+    tracker's switches).
     """
 
     def __init__(self, method: Method, ddp: DistributedDataParallel, group: dist.ProcessGroup | None):
@@ -45,7 +48,9 @@ class HookState:
         self._dense = AllreduceCommunicator()
         self.iteration = 0  # steps taken, a resumed checkpoint's included
         self.warmup = self._warmup_steps(ddp) if method.stateful else 0
-        self.stats: dict[str, Union[int, float]] = {k: 0.0 if k.endswith("_s") else 0 for k in _STAT_KEYS}
+        self._stat_keys = _STAT_KEYS + tuple(method.compressor.stat_keys)
+        self.stats: dict[str, Union[int, float]] = {k: 0.0 if k.endswith("_s") else 0 for k in self._stat_keys}
+        method.compressor.bind(ddp.module, group, self.stats)
 
     @staticmethod
     def _warmup_steps(ddp: DistributedDataParallel) -> int:
@@ -123,7 +128,7 @@ class HookState:
         # Counting on from the checkpoint's step means a resumed run does not warm up again: residuals are
         # stored per parameter and map onto the new DDP's buckets, whatever their layout.
         self.iteration = state["iteration"]
-        self.stats = {k: state["stats"].get(k, 0) for k in _STAT_KEYS}
+        self.stats.update({k: state["stats"].get(k, 0) for k in self._stat_keys})  # in place: parts hold it
 
 
 def gcomp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -1,0 +1,212 @@
+"""``pactrain``: all-reduce of only the entries a pruned model keeps, packed densely; ternary on top if asked.
+
+PacTrain (Wang, Wu, Li, Kutscher, 2025). Prune first (``gcomp.pruning.prune``), build DDP, install this.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import torch
+import torch.distributed as dist
+
+from gcomp.collectives import bitpack
+from gcomp.core import ALLREDUCE, Communicator, Compressor, Method, Payload
+from gcomp.memory import NoMemory
+from gcomp.params import Range
+from gcomp.pruning.tracker import DENSE, PACKED, TRACKING, BucketTrack, MaskTracker
+from gcomp.registry import register
+
+TERNARY = "ternary"
+
+
+@dataclass
+class _Ctx:
+    mode: str  # tracking, dense, packed or ternary
+    track: BucketTrack
+    bucket: torch.Tensor  # the gradient buffer the result is written into
+    values: torch.Tensor | None = None  # ternary: the packed entries as fp32, error feedback added
+
+
+class PacTrainCompressor(Compressor):
+    """Mask-packed all-reduce of a pruned model's buckets (lossless), optionally ternarised.
+
+    On the wire, per bucket and step, by the mask tracker's state (``gcomp.pruning.tracker``):
+
+    - tracking / dense: the bucket as it is (SUM), and while tracking 5 int64 flags (MAX);
+    - packed: the kept entries in the bucket's dtype plus one entry counting ranks whose masks changed (SUM);
+      the result equals a dense all-reduce on the support, bit for bit on 2 ranks, and is zero elsewhere;
+    - ternary: first one fp32 scale per parameter segment plus two flags (MAX, so every rank shares the
+      scale), then the codes t + 1 of t in {-1, 0, 1}, drawn so that E[scale * t] = value, in
+      ``bitpack.lane_bits(N)``-bit fields of int64 words (SUM: each field sums to at most 2N, no carry crosses).
+    """
+
+    collective = ALLREDUCE
+    stateful = True
+    stat_keys = ("packed_buckets", "freezes", "unfreezes", "mask_mismatches")
+
+    def __init__(self, stable_steps: int = 5, dense_above: float = 0.9, ternary: bool = False,
+                 clip: float = 0.0, error_feedback: bool = False, seed: int = 0):
+        self.tracker = MaskTracker(stable_steps, dense_above)
+        self.ternary, self.clip, self.error_feedback, self.seed = ternary, clip, error_feedback, seed
+        self.lossless = not ternary
+        self.world_size, self.rank = 1, 0
+        self.generator = torch.Generator().manual_seed(seed)
+        self.stats: dict = {}
+
+    def bind(self, model, group, stats) -> None:
+        self.tracker.bind(model, stats)
+        self.stats = stats
+        if dist.is_available() and dist.is_initialized():
+            self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # Independent draws per rank: the same seed everywhere would round every rank's entries alike.
+        self.generator.manual_seed(self.seed * 1_000_003 + self.rank)
+
+    # --- encode ---------------------------------------------------------------------------------------------
+
+    def compress(self, tensor, bucket):
+        track, changed_here = self.tracker.decide(bucket, tensor.device)
+        if track.mode == TRACKING:
+            return Payload([tensor, MaskTracker.flags(track, changed_here, tensor.device)],
+                           _Ctx(TRACKING, track, tensor))
+        if track.mode == DENSE:
+            return Payload([tensor], _Ctx(DENSE, track, tensor))
+        if "packed_buckets" in self.stats:
+            self.stats["packed_buckets"] += 1
+        support = track.support
+        if not self.ternary:
+            packed = track.buffers.get("packed")
+            if packed is None:
+                packed = track.buffers["packed"] = tensor.new_empty(support.kept + 1)
+            support.gather(tensor, packed)
+            packed[-1] = float(changed_here)
+            return Payload([packed], _Ctx(PACKED, track, tensor))
+        values = support.gather(tensor, tensor.new_empty(support.kept)).float()
+        if self.error_feedback:
+            residual = track.buffers.get("residual")
+            if residual is not None:
+                values += residual
+        scales = self._local_scales(values, support.segments)
+        scales[-2] = float(changed_here)
+        bits = bitpack.lane_bits(self.world_size)
+        lanes = torch.empty(bitpack.packed_words(support.kept, bits), dtype=torch.int64, device=tensor.device)
+        return Payload([scales, lanes], _Ctx(TERNARY, track, tensor, values))
+
+    def _local_scales(self, values: torch.Tensor, segments) -> torch.Tensor:
+        """max |value| per parameter segment (capped at clip * std with clipping), then two flag slots."""
+        scales = torch.zeros(len(segments) + 2, dtype=torch.float32, device=values.device)
+        start = 0
+        for j, n in enumerate(segments):  # a loop over parameters, not entries
+            if n:
+                seg = values[start:start + n]
+                torch.amax(seg.abs(), dim=0, out=scales[j])
+                if self.clip > 0:
+                    torch.minimum(scales[j], self.clip * torch.std(seg, correction=0), out=scales[j])
+                start += n
+        # A NaN scale might be lost in a MAX all-reduce (max(a, NaN) depends on the order), so a flag slot
+        # carries the fact itself: a non-finite gradient on any rank decodes to non-finite on every rank.
+        scales[-1] = (~torch.isfinite(scales[:-2])).any()
+        return scales
+
+    def ternarise(self, payload: Payload) -> None:
+        """Fill the lanes from the shared scales (``payload.tensors[0]`` after its MAX all-reduce)."""
+        ctx: _Ctx = payload.ctx
+        scales, values = payload.tensors[0], ctx.values
+        segments = ctx.track.support.segments
+        prob = values.abs()
+        self._per_segment(prob, scales, segments, torch.Tensor.div_)
+        if self.clip > 0:
+            prob.clamp_(max=1.0)
+        hit = torch.rand(prob.shape, generator=self._generator(prob.device), dtype=prob.dtype) < prob
+        codes = values.sign().to(torch.int8).mul_(hit).add_(1)  # t + 1 in {0, 1, 2}; NaN probability -> t = 0
+        payload.tensors[1] = bitpack.pack(codes, bitpack.lane_bits(self.world_size))
+        if self.error_feedback:
+            sent = codes.to(torch.float32).sub_(1)
+            self._per_segment(sent, scales, segments, torch.Tensor.mul_)
+            residual = torch.sub(values, sent, out=ctx.track.buffers.get("residual"))
+            ctx.track.buffers["residual"] = residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device.type == "cpu":
+            return self.generator
+        if getattr(self, "_device_generator", None) is None or self._device_generator.device != device:
+            self._device_generator = torch.Generator(device).manual_seed(self.seed * 1_000_003 + self.rank)
+        return self._device_generator
+
+    @staticmethod
+    def _per_segment(x: torch.Tensor, scales: torch.Tensor, segments, op) -> None:
+        start = 0
+        for j, n in enumerate(segments):
+            if n:
+                op(x[start:start + n], scales[j])
+                start += n
+
+    # --- decode ---------------------------------------------------------------------------------------------
+
+    def decompress(self, tensors, ctx: _Ctx):
+        track, support = ctx.track, ctx.track.support
+        if ctx.mode == TRACKING:
+            MaskTracker.receive_flags(track, tensors[1])
+            return tensors[0]
+        if ctx.mode == DENSE:
+            return tensors[0]
+        if ctx.mode == PACKED:
+            MaskTracker.receive_changed(track, tensors[0][-1:])
+            return support.scatter(tensors[0], ctx.bucket)
+        scales, lanes = tensors
+        MaskTracker.receive_changed(track, scales[-2:-1])
+        fields = bitpack.unpack(lanes, support.kept, bitpack.lane_bits(self.world_size), dtype=torch.int32)
+        values = fields.to(torch.float32).sub_(self.world_size)
+        self._per_segment(values, scales, support.segments, torch.Tensor.mul_)
+        values = torch.where(scales[-1] > 0, torch.nan, values)
+        return support.scatter(values.to(ctx.bucket.dtype), ctx.bucket)
+
+    # --- checkpoint -------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "tracker": self.tracker.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.tracker.load_state_dict(state["tracker"])
+
+
+class PacTrainCommunicator(Communicator):
+    """SUM all-reduce of the bucket or its packed support, with the tracker's small MAX all-reduce of flags.
+
+    Ternary takes two rounds: the MAX all-reduce of the scales runs (and is waited for) in the hook itself,
+    because the codes depend on the shared scale; the SUM of the lanes is then launched asynchronously.
+    """
+
+    collective = ALLREDUCE
+
+    def exchange(self, payload: Payload, compressor: PacTrainCompressor, group) -> torch.futures.Future:
+        mode = payload.ctx.mode
+        if mode == TRACKING:
+            futures = [dist.all_reduce(payload.tensors[0], group=group, async_op=True).get_future(),
+                       dist.all_reduce(payload.tensors[1], dist.ReduceOp.MAX, group=group, async_op=True).get_future()]
+            return torch.futures.collect_all(futures).then(lambda f: [x.value()[0] for x in f.value()])
+        if mode == TERNARY:
+            dist.all_reduce(payload.tensors[0], dist.ReduceOp.MAX, group=group)
+            compressor.ternarise(payload)
+            scales = payload.tensors[0]
+            return dist.all_reduce(payload.tensors[1], group=group, async_op=True).get_future().then(
+                lambda f: [scales, f.value()[0]])
+        return dist.all_reduce(payload.tensors[0], group=group, async_op=True).get_future()
+
+    def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx: Any) -> torch.Tensor:
+        return compressor.decompress(received, ctx)
+
+
+@register("pactrain", paper="Wang, Wu, Li, Kutscher 2025 (PacTrain, arXiv 2505.18563)")
+def pactrain(
+    ternary: Annotated[bool, "ternarise the packed entries (shared per-parameter scale, integer lanes)"] = False,
+    stable_steps: Annotated[int, Range(1, None), "steps a bucket's masks must stay unchanged before packing"] = 5,
+    dense_above: Annotated[float, Range(0, 1), "keep a bucket dense when its support keeps more than this"] = 0.9,
+    clip: Annotated[float, Range(0, None), "ternary: clip at clip * std per parameter (TernGrad: 2.5; 0 off)"] = 0.0,
+    error_feedback: Annotated[bool, "ternary: add what ternarising lost to the next step"] = False,
+    seed: Annotated[int, Range(0, None), "seed of the ternary draws (each rank offsets it by its rank)"] = 0,
+) -> Method:
+    """PacTrain: only the entries the pruning masks keep are all-reduced, packed densely, once stable."""
+    return Method(PacTrainCompressor(stable_steps, dense_above, ternary, clip, error_feedback, seed), NoMemory(),
+                  PacTrainCommunicator())

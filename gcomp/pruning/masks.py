@@ -1,0 +1,59 @@
+"""Where a model's pruning masks live, and a digest that tells whether two ranks hold the same ones.
+
+gcomp prunes through ``torch.nn.utils.prune``: a pruned ``weight`` becomes the Parameter ``weight_orig`` and
+the buffer ``weight_mask``, and the forward uses ``weight_orig * weight_mask``. The gradient of ``weight_orig``
+is therefore zero wherever the mask is zero on every rank (gradient sparsity enforcement, PacTrain eq. 2),
+and the mask, not a rank's own gradient zeros, is the support every rank agrees on.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+_ORIG = "_orig"
+_MASK = "_mask"
+
+# The digest: sum over kept positions p of ((p + 1) * A) mod P, which fits int64 for any bucket below 2**31
+# elements, and the count of kept positions. Both are integers: equal on every rank or visibly not.
+_DIGEST_A = 2654435761
+_DIGEST_P = 4294967291
+
+
+def mask_of(model: nn.Module, param_name: str) -> torch.Tensor | None:
+    """The mask buffer of the parameter ``param_name`` (a ``named_parameters()`` name), or None if unpruned."""
+    if not param_name.endswith(_ORIG):
+        return None
+    module_name, _, attr = param_name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name) if module_name else model
+    except AttributeError:
+        return None
+    mask = module._buffers.get(attr[: -len(_ORIG)] + _MASK)
+    return mask
+
+
+def named_masks(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{parameter name: mask}`` for every pruned parameter of ``model`` (names as in ``named_parameters()``)."""
+    out = {}
+    for name, _ in model.named_parameters():
+        mask = mask_of(model, name)
+        if mask is not None:
+            out[name] = mask
+    return out
+
+
+def positions_digest(positions: torch.Tensor) -> torch.Tensor:
+    """An int64 pair (hash, count) of a set of kept positions (int32 or int64, any order), on their device."""
+    p = positions.reshape(-1).to(torch.int64)
+    h = ((p + 1) * _DIGEST_A).remainder_(_DIGEST_P).sum()
+    return torch.stack([h, torch.tensor(p.numel(), dtype=torch.int64, device=p.device)])
+
+
+def masks_digest(masks: Iterable[torch.Tensor]) -> torch.Tensor:
+    """A digest of a sequence of masks (their kept positions, concatenated in order, in logical layout)."""
+    flat = [m.detach().reshape(-1) != 0 for m in masks]
+    if not flat:
+        return torch.zeros(2, dtype=torch.int64)
+    return positions_digest(torch.cat(flat).nonzero().reshape(-1))

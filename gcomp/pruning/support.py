@@ -1,0 +1,113 @@
+"""The support of a bucket (the entries its masks keep) and the fast gather/scatter that packs it densely."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gcomp.pruning.masks import positions_digest
+
+# Kept runs at least this long are copied as slices; shorter ones go through one int32 position index.
+MIN_RUN = 256
+
+
+@dataclass(frozen=True)
+class _Slice:
+    start: int  # in the bucket
+    stop: int
+    at: int  # in the packed vector
+
+
+@dataclass(frozen=True)
+class _Scattered:
+    start: int  # the bucket region [start, stop) this piece owns: zeroed, then its kept entries written
+    stop: int
+    at: int  # in the packed vector
+    positions: torch.Tensor  # int32, absolute in the bucket, increasing
+
+
+class SupportIndex:
+    """Which entries of a flat bucket are kept, as contiguous slices plus one int32 index for the rest.
+
+    The packed vector lists the kept entries in bucket order, so each parameter's kept entries form one
+    contiguous segment of it (``segments``), which is what per-parameter ternary scales need. The index
+    costs 4 bytes per kept entry outside long runs: at most half an fp32 bucket when half is pruned.
+    """
+
+    def __init__(self, support: torch.Tensor, numels: tuple[int, ...], min_run: int = MIN_RUN):
+        if support.dtype != torch.bool or support.dim() != 1 or support.numel() != sum(numels):
+            raise ValueError("support must be a flat bool tensor as long as the bucket")
+        n = support.numel()
+        if n >= 2**31:
+            raise ValueError(f"a bucket of {n} entries is too large for int32 positions")
+        self.numel = n
+        kept_per_param = torch.stack([s.sum() for s in support.split(list(numels))]) if numels else \
+            torch.zeros(0, dtype=torch.int64)
+        self.segments: tuple[int, ...] = tuple(kept_per_param.tolist())
+        self.kept = sum(self.segments)
+        self.digest = positions_digest(support.nonzero().reshape(-1))
+        self.pieces = self._pieces(support, min_run)
+
+    @staticmethod
+    def _pieces(support: torch.Tensor, min_run: int) -> list:
+        edges = torch.diff(torch.nn.functional.pad(support.to(torch.int8), (1, 1)))
+        starts = (edges == 1).nonzero().reshape(-1)
+        stops = (edges == -1).nonzero().reshape(-1)
+        long = (stops - starts) >= min_run
+        runs = list(zip(starts[long].tolist(), stops[long].tolist()))
+        pieces, at, cursor = [], 0, 0
+        for start, stop in runs + [(support.numel(), support.numel())]:
+            if start > cursor:  # the region between two long runs: its kept entries go by position
+                positions = (support[cursor:start].nonzero().reshape(-1) + cursor).to(torch.int32)
+                pieces.append(_Scattered(cursor, start, at, positions))
+                at += positions.numel()
+            if stop > start:
+                pieces.append(_Slice(start, stop, at))
+                at += stop - start
+            cursor = stop
+        return pieces
+
+    @property
+    def index_bytes(self) -> int:
+        """Memory the packing index holds (int32 positions; slices cost nothing)."""
+        return sum(p.positions.numel() * 4 for p in self.pieces if isinstance(p, _Scattered))
+
+    def gather(self, bucket: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out[:kept]`` = the kept entries of ``bucket``, in bucket order (``out`` may be longer)."""
+        for p in self.pieces:
+            if isinstance(p, _Slice):
+                out[p.at:p.at + p.stop - p.start].copy_(bucket[p.start:p.stop])
+            elif p.positions.numel():
+                torch.index_select(bucket, 0, p.positions, out=out[p.at:p.at + p.positions.numel()])
+        return out
+
+    def scatter(self, packed: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
+        """Write ``packed[:kept]`` onto the kept entries of ``bucket`` and zero every other entry."""
+        for p in self.pieces:
+            if isinstance(p, _Slice):
+                bucket[p.start:p.stop].copy_(packed[p.at:p.at + p.stop - p.start])
+            else:
+                bucket[p.start:p.stop].zero_()
+                # index_add_ onto zeros is a copy, and it takes int32 positions (index_copy_ wants int64).
+                bucket.index_add_(0, p.positions, packed[p.at:p.at + p.positions.numel()])
+        return bucket
+
+
+def bucket_support(params: list[tuple[torch.Size, tuple[int, ...], torch.Tensor | None]], numel: int,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """The flat bool support of a bucket from its parameters' masks.
+
+    ``params`` lists, in bucket order, each parameter's size, strides and mask (None: kept entirely). DDP lays
+    each gradient into the bucket with the parameter's own strides (channels_last included), so each mask is
+    written through a strided view of its slice of the bucket, not flattened in logical order.
+    """
+    support = torch.ones(numel, dtype=torch.bool, device=device)
+    offset = 0
+    for size, stride, mask in params:
+        n = size.numel()
+        if mask is not None:
+            support[offset:offset + n].as_strided(size, stride).copy_(mask != 0)
+        offset += n
+    if offset != numel:
+        raise ValueError(f"the parameters cover {offset} entries of a bucket of {numel}")
+    return support

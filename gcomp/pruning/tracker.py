@@ -1,0 +1,183 @@
+"""PacTrain's mask tracker: when a bucket's support is stable and agreed on, so that it may travel packed.
+
+Per bucket layout it runs a small state machine, with every decision taken from information all ranks share,
+so ranks never disagree on which collective comes next:
+
+- ``tracking``: the bucket goes as a dense all-reduce, plus one small int64 MAX all-reduce of this rank's
+  flags: did its masks change since the last step, and, on a candidate step, the digest of the support it
+  would freeze. After ``stable_steps`` steps in which no rank's masks changed, the support is built from the
+  weight masks (never from a rank's own gradient zeros, which differ across ranks) and its digest is sent;
+  the next step freezes it if every rank's digest matched, or warns and tracks on if not.
+- ``packed``: only the support goes, densely packed, with one extra entry: how many ranks saw their masks
+  change. Any change sends every rank back to ``tracking`` at the next step (a warning, ``unfreezes``).
+- ``dense``: the frozen support keeps more than ``dense_above`` of the bucket (say, a bucket of biases and
+  norms): packing would save little, so it stays a plain all-reduce.
+
+A change is noticed on the host, for free: each mask's identity and ``_version`` (re-pruning replaces a mask,
+editing it in place bumps its version). The flags a step receives are read at the next step, when their
+collective has long finished, so the per-step path never waits on one. Until then, the step in which a
+rank's masks changed is reduced on the support every rank agreed on: replicas stay identical and nothing
+is misaligned; the new masks take effect one step later.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gcomp.bucket import BucketInfo
+from gcomp.pruning.masks import mask_of
+from gcomp.pruning.support import SupportIndex, bucket_support
+
+TRACKING, PACKED, DENSE = "tracking", "packed", "dense"
+FLAGS = 5  # changed, digest hash, digest count, -hash, -count: MAX of both signs gives max and min
+
+
+@dataclass
+class BucketTrack:
+    """The tracker's state for one bucket layout."""
+
+    mode: str = TRACKING
+    stable: int = 0  # consecutive steps in which no rank's masks changed
+    signature: tuple | None = None
+    pending: torch.Tensor | None = None  # [any rank changed, digests agree], received at the previous step
+    candidate: SupportIndex | None = None
+    support: SupportIndex | None = None
+    buffers: dict = field(default_factory=dict)  # the method's per-bucket buffers, dropped with the support
+
+
+class MaskTracker:
+    """Decides, per bucket and step, whether the bucket goes dense or packed (see the module docstring)."""
+
+    def __init__(self, stable_steps: int = 5, dense_above: float = 0.9):
+        self.stable_steps = stable_steps
+        self.dense_above = dense_above
+        self.model: nn.Module | None = None
+        self.stats: dict = {}
+        self.tracks: dict[str, BucketTrack] = {}
+        self._restored: dict[str, dict] = {}  # checkpointed tracks, taken up when their layout comes back
+
+    def bind(self, model: nn.Module | None, stats: dict) -> None:
+        self.model, self.stats = model, stats
+
+    def _masks(self, info: BucketInfo) -> list[torch.Tensor | None]:
+        if self.model is None:
+            return [None] * len(info.names)
+        return [mask_of(self.model, name) for name in info.names]
+
+    def _signature(self, info: BucketInfo) -> tuple:
+        return tuple(None if m is None else (id(m), m._version) for m in self._masks(info))
+
+    def _build(self, info: BucketInfo, device) -> SupportIndex:
+        params = []
+        for name, numel, mask in zip(info.names, info.numels, self._masks(info)):
+            if mask is None or self.model is None:
+                params.append((torch.Size([numel]), (1,), None))
+            else:
+                p = self.model.get_parameter(name)
+                params.append((p.size(), p.stride(), mask.to(device)))
+        return SupportIndex(bucket_support(params, info.numel, device), info.numels)
+
+    def decide(self, info: BucketInfo, device) -> tuple[BucketTrack, bool]:
+        """This step's state for the bucket, and whether this rank's masks changed since the last step."""
+        track = self.tracks.get(info.key)
+        if track is None:
+            track = self.tracks[info.key] = self._restore(info, device)
+        signature = self._signature(info)
+        changed_here = track.signature is not None and signature != track.signature
+        track.signature = signature
+        if track.mode == DENSE:
+            return track, changed_here
+        pending, track.pending = track.pending, None
+        any_changed, agree = (True, False) if pending is None else (bool(v) for v in pending.tolist())
+
+        if track.mode == PACKED and any_changed:
+            self._count("unfreezes")
+            warnings.warn(f"pactrain: the masks of bucket {info.index} changed on some rank; sending it dense and "
+                          "tracking its support again", RuntimeWarning, stacklevel=2)
+            track.mode, track.stable, track.support, track.buffers = TRACKING, 0, None, {}
+        elif track.mode == TRACKING:
+            if track.candidate is not None:
+                candidate, track.candidate = track.candidate, None
+                if not any_changed and agree:
+                    self._freeze(track, candidate)
+                    return track, changed_here
+                if not any_changed:
+                    self._count("mask_mismatches")
+                    warnings.warn(f"pactrain: ranks hold different masks for bucket {info.index} (their support "
+                                  "digests differ); it stays a dense all-reduce and is checked again later",
+                                  RuntimeWarning, stacklevel=2)
+                track.stable = 0
+            elif any_changed:
+                track.stable = 0
+            else:
+                track.stable += 1
+            if track.stable >= self.stable_steps:
+                track.candidate = self._build(info, device)
+        return track, changed_here
+
+    def _restore(self, info: BucketInfo, device) -> BucketTrack:
+        """A new track, or the checkpointed one when its support, rebuilt from the masks, is the one it froze.
+
+        Every rank loads the same checkpoint and (DDP broadcast the buffers) holds the same masks, so every
+        rank takes the same decision here without a collective.
+        """
+        saved = self._restored.pop(info.key, None)
+        if saved is None or saved["mode"] == TRACKING:
+            return BucketTrack()
+        support = self._build(info, device)
+        if not torch.equal(support.digest.cpu(), saved["digest"].cpu()):
+            return BucketTrack()
+        track = BucketTrack(mode=saved["mode"], support=support,
+                            pending=torch.tensor([False, True], device=device))
+        if "residual" in saved:
+            track.buffers["residual"] = saved["residual"].to(device)
+        return track
+
+    def state_dict(self) -> dict:
+        """Per bucket layout: its mode, its frozen support's digest and its error-feedback residual."""
+        out = {}
+        for key, t in self.tracks.items():
+            entry = {"mode": t.mode}
+            if t.support is not None:
+                entry["digest"] = t.support.digest.cpu()
+            if "residual" in t.buffers:
+                entry["residual"] = t.buffers["residual"]
+            out[key] = entry
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tracks, self._restored = {}, dict(state)
+
+    def _freeze(self, track: BucketTrack, support: SupportIndex) -> None:
+        self._count("freezes")
+        track.support = support
+        track.mode = DENSE if support.kept > self.dense_above * support.numel else PACKED
+
+    def _count(self, key: str) -> None:
+        if key in self.stats:
+            self.stats[key] += 1
+
+    @staticmethod
+    def flags(track: BucketTrack, changed_here: bool, device) -> torch.Tensor:
+        """The int64 flags a tracking step sends with MAX: [changed, hash, count, -hash, -count]."""
+        out = torch.zeros(FLAGS, dtype=torch.int64, device=device)
+        out[0] = int(changed_here)
+        if track.candidate is not None:
+            digest = track.candidate.digest.to(device)
+            out[1:3] = digest
+            out[3:5] = -digest
+        return out
+
+    @staticmethod
+    def receive_flags(track: BucketTrack, flags: torch.Tensor) -> None:
+        """Keep what a tracking step received (MAX over ranks), to be read at the next step."""
+        agree = (flags[1:3] == -flags[3:5]).all()
+        track.pending = torch.stack([flags[0] > 0, agree])
+
+    @staticmethod
+    def receive_changed(track: BucketTrack, changed: torch.Tensor) -> None:
+        """Keep a packed step's count of ranks whose masks changed (digests agreed when it froze)."""
+        track.pending = torch.stack([changed.reshape(()) > 0, torch.ones((), dtype=torch.bool, device=changed.device)])
