@@ -42,7 +42,7 @@ class BucketTrack:
     mode: str = TRACKING
     stable: int = 0  # consecutive steps in which no rank's masks changed
     signature: tuple | None = None
-    pending: torch.Tensor | None = None  # [any rank changed, digests agree], received at the previous step
+    pending: tuple | None = None  # ([any rank changed, digests agree] on the host, its copy's CUDA event)
     candidate: SupportIndex | None = None
     support: SupportIndex | None = None
     buffers: dict = field(default_factory=dict)  # the method's per-bucket buffers, dropped with the support
@@ -91,7 +91,12 @@ class MaskTracker:
         if track.mode == DENSE:
             return track, changed_here
         pending, track.pending = track.pending, None
-        any_changed, agree = (True, False) if pending is None else (bool(v) for v in pending.tolist())
+        any_changed, agree = True, False
+        if pending is not None:
+            host, copied = pending
+            if copied is not None:
+                copied.synchronize()  # waits for that one copy, issued a step ago, not for the current stream
+            any_changed, agree = (bool(v) for v in host.tolist())
 
         if track.mode == PACKED and any_changed:
             self._count("unfreezes")
@@ -130,8 +135,7 @@ class MaskTracker:
         support = self._build(info, device)
         if not torch.equal(support.digest.cpu(), saved["digest"].cpu()):
             return BucketTrack()
-        track = BucketTrack(mode=saved["mode"], support=support,
-                            pending=torch.tensor([False, True], device=device))
+        track = BucketTrack(mode=saved["mode"], support=support, pending=(torch.tensor([False, True]), None))
         if "residual" in saved:
             track.buffers["residual"] = saved["residual"].to(device)
         return track
@@ -175,9 +179,20 @@ class MaskTracker:
     def receive_flags(track: BucketTrack, flags: torch.Tensor) -> None:
         """Keep what a tracking step received (MAX over ranks), to be read at the next step."""
         agree = (flags[1:3] == -flags[3:5]).all()
-        track.pending = torch.stack([flags[0] > 0, agree])
+        track.pending = _to_host(torch.stack([flags[0] > 0, agree]))
 
     @staticmethod
     def receive_changed(track: BucketTrack, changed: torch.Tensor) -> None:
         """Keep a packed step's count of ranks whose masks changed (digests agreed when it froze)."""
-        track.pending = torch.stack([changed.reshape(()) > 0, torch.ones((), dtype=torch.bool, device=changed.device)])
+        track.pending = _to_host(torch.stack([changed.reshape(()) > 0, torch.ones_like(changed.reshape(()) > 0)]))
+
+
+def _to_host(flags: torch.Tensor) -> tuple:
+    """A host copy of two flags; on a GPU an asynchronous one into pinned memory, with an event to wait on."""
+    if flags.device.type != "cuda":
+        return flags, None
+    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
