@@ -10,7 +10,7 @@ from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.params import OneOf, Range
 from gcomp.registry import UnknownMethodError, available, create, describe, register, spec
 
-from gcomp import compressors  # noqa: E402,F401  (registers the built-in methods)
+from gcomp import compressors, pruning  # noqa: E402,F401  (registers the built-in methods; gcomp.pruning)
 
 __version__ = "0.1.0"
 
