@@ -8,9 +8,15 @@ leaves every field intact: the top field may use the sign bit.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 WORD_BITS = 64
+# Fields that tile a byte (1, 2, 4, 8 bits) are packed byte by byte: uint8 passes instead of int64 ones.
+# Field j of a word then sits in byte j * bits // 8, which is where the int64 layout puts it on a
+# little-endian machine (every machine torch supports today); elsewhere the int64 path runs.
+_BYTE_FIELDS = (1, 2, 4, 8) if sys.byteorder == "little" else ()
 
 
 def lane_bits(world_size: int, max_value: int = 2) -> int:
@@ -46,8 +52,16 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     per_word = fields_per_word(bits)
     n = values.numel()
     words = -(-n // per_word)
+    if bits in _BYTE_FIELDS:
+        values = values.reshape(-1).to(torch.uint8)
     if n != words * per_word:  # pad in the narrow input dtype, never in int64
         values = torch.cat([values.reshape(-1), values.new_zeros(words * per_word - n)])
+    if bits in _BYTE_FIELDS:
+        columns = values.reshape(-1, 8 // bits)
+        out = columns[:, 0].clone(memory_format=torch.contiguous_format)
+        for j in range(1, columns.shape[1]):
+            out.bitwise_or_(columns[:, j].bitwise_left_shift(j * bits))
+        return out.view(torch.int64)
     columns = values.reshape(words, per_word)
     out = columns[:, 0].to(torch.int64, copy=True)  # copy: an int64 input must not be written to
     for j in range(1, per_word):  # one vectorised pass per field, at most 64
@@ -61,6 +75,12 @@ def unpack(words: torch.Tensor, n: int, bits: int, dtype: torch.dtype = torch.in
     if words.numel() * per_word < n:
         raise ValueError(f"{words.numel()} words of {per_word} fields cannot hold {n} fields")
     mask = (1 << bits) - 1
+    if bits in _BYTE_FIELDS:
+        octets = words.contiguous().view(torch.uint8)
+        out = torch.empty(octets.numel(), 8 // bits, dtype=dtype, device=words.device)
+        for j in range(out.shape[1]):
+            out[:, j] = octets.bitwise_right_shift(j * bits).bitwise_and_(mask)
+        return out.reshape(-1)[:n]
     out = torch.empty(words.numel(), per_word, dtype=dtype, device=words.device)
     for j in range(per_word):
         # The arithmetic shift of a negative word fills with ones; the mask removes them.

@@ -25,7 +25,6 @@ class _Ctx:
     mode: str  # tracking, dense, packed or ternary
     track: BucketTrack
     bucket: torch.Tensor  # the gradient buffer the result is written into
-    values: torch.Tensor | None = None  # ternary: the packed entries as fp32, error feedback added
 
 
 class PacTrainCompressor(Compressor):
@@ -81,27 +80,53 @@ class PacTrainCompressor(Compressor):
             support.gather(tensor, packed)
             packed[-1] = float(changed_here)
             return Payload([packed], _Ctx(PACKED, track, tensor))
-        values = support.gather(tensor, tensor.new_empty(support.kept)).float()
-        if self.error_feedback:
-            residual = track.buffers.get("residual")
-            if residual is not None:
-                values += residual
-        scales = self._local_scales(values, support.segments)
+        values = self.gather_values(track, tensor)
+        scales = self.local_scales(track)
         scales[-2] = float(changed_here)
         bits = bitpack.lane_bits(self.world_size)
         lanes = torch.empty(bitpack.packed_words(support.kept, bits), dtype=torch.int64, device=tensor.device)
-        return Payload([scales, lanes], _Ctx(TERNARY, track, tensor, values))
+        return Payload([scales, lanes], _Ctx(TERNARY, track, tensor))
 
-    def _local_scales(self, values: torch.Tensor, segments) -> torch.Tensor:
+    @staticmethod
+    def _ternary_buffers(track: BucketTrack, like: torch.Tensor) -> dict:
+        """Per-bucket work buffers, allocated once per frozen support (fresh allocations of tens of MB cost
+        more in page faults than the arithmetic done in them)."""
+        buffers = track.buffers
+        if "values" not in buffers:
+            k, device = track.support.kept, like.device
+            for name in ("values", "prob", "draws"):
+                buffers[name] = torch.empty(k, dtype=torch.float32, device=device)
+            buffers["hit"] = torch.empty(k, dtype=torch.bool, device=device)
+            buffers["codes"] = torch.empty(k, dtype=torch.int8, device=device)
+        return buffers
+
+    # The ternary path in its parts (``gcomp.bench.codec`` times each): gather_values, local_scales, then,
+    # with the shared scales, draw_codes and bitpack.pack; after the SUM, decode_values and support.scatter.
+
+    def gather_values(self, track: BucketTrack, tensor: torch.Tensor) -> torch.Tensor:
+        """The kept entries as fp32 (error feedback added), and their magnitudes in the ``prob`` buffer."""
+        buffers, support = self._ternary_buffers(track, tensor), track.support
+        values = buffers["values"]
+        if tensor.dtype == torch.float32:
+            support.gather(tensor, values)
+        else:
+            values.copy_(support.gather(tensor, tensor.new_empty(support.kept)))
+        if self.error_feedback and "residual" in buffers:
+            values += buffers["residual"]
+        torch.abs(values, out=buffers["prob"])
+        return values
+
+    def local_scales(self, track: BucketTrack) -> torch.Tensor:
         """max |value| per parameter segment (capped at clip * std with clipping), then two flag slots."""
+        values, magnitudes, segments = track.buffers["values"], track.buffers["prob"], track.support.segments
         scales = torch.zeros(len(segments) + 2, dtype=torch.float32, device=values.device)
         start = 0
         for j, n in enumerate(segments):  # a loop over parameters, not entries
             if n:
-                seg = values[start:start + n]
-                torch.amax(seg.abs(), dim=0, out=scales[j])
+                torch.amax(magnitudes[start:start + n], dim=0, out=scales[j])
                 if self.clip > 0:
-                    torch.minimum(scales[j], self.clip * torch.std(seg, correction=0), out=scales[j])
+                    std = torch.std(values[start:start + n], correction=0)
+                    torch.minimum(scales[j], self.clip * std, out=scales[j])
                 start += n
         # A NaN scale might be lost in a MAX all-reduce (max(a, NaN) depends on the order), so a flag slot
         # carries the fact itself: a non-finite gradient on any rank decodes to non-finite on every rank.
@@ -110,21 +135,26 @@ class PacTrainCompressor(Compressor):
 
     def ternarise(self, payload: Payload) -> None:
         """Fill the lanes from the shared scales (``payload.tensors[0]`` after its MAX all-reduce)."""
-        ctx: _Ctx = payload.ctx
-        scales, values = payload.tensors[0], ctx.values
-        segments = ctx.track.support.segments
-        prob = values.abs()
-        self._per_segment(prob, scales, segments, torch.Tensor.div_)
+        codes = self.draw_codes(payload.ctx.track, payload.tensors[0])
+        payload.tensors[1] = bitpack.pack(codes, bitpack.lane_bits(self.world_size))
+
+    def draw_codes(self, track: BucketTrack, scales: torch.Tensor) -> torch.Tensor:
+        """t + 1 in {0, 1, 2} per kept entry, with E[scale * t] = value; error feedback keeps the rest."""
+        buffers, segments = track.buffers, track.support.segments
+        values, prob, draws, hit, codes = (buffers[k] for k in ("values", "prob", "draws", "hit", "codes"))
+        self._per_segment(prob, scales, segments, torch.Tensor.div_)  # |value| / shared scale, in [0, 1]
         if self.clip > 0:
             prob.clamp_(max=1.0)
-        hit = torch.rand(prob.shape, generator=self._generator(prob.device), dtype=prob.dtype) < prob
-        codes = values.sign().to(torch.int8).mul_(hit).add_(1)  # t + 1 in {0, 1, 2}; NaN probability -> t = 0
-        payload.tensors[1] = bitpack.pack(codes, bitpack.lane_bits(self.world_size))
+        draws.uniform_(generator=self._generator(values.device))
+        torch.lt(draws, prob, out=hit)  # a NaN probability never hits: t = 0
+        torch.gt(values, 0, out=codes)  # codes = t + 1 = (2 * (value > 0) - 1) * hit + 1, in {0, 1, 2}
+        codes.mul_(2).sub_(1).mul_(hit).add_(1)
         if self.error_feedback:
-            sent = codes.to(torch.float32).sub_(1)
+            sent = torch.sub(codes, 1, out=prob)  # prob is free again: reuse it for what was sent
             self._per_segment(sent, scales, segments, torch.Tensor.mul_)
-            residual = torch.sub(values, sent, out=ctx.track.buffers.get("residual"))
-            ctx.track.buffers["residual"] = residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            residual = torch.sub(values, sent, out=buffers.get("residual"))
+            buffers["residual"] = residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        return codes
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device.type == "cpu":
@@ -155,11 +185,17 @@ class PacTrainCompressor(Compressor):
             return support.scatter(tensors[0], ctx.bucket)
         scales, lanes = tensors
         MaskTracker.receive_changed(track, scales[-2:-1])
+        return support.scatter(self.decode_values(track, scales, lanes).to(ctx.bucket.dtype), ctx.bucket)
+
+    def decode_values(self, track: BucketTrack, scales: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
+        """The summed lanes as fp32 values: shared scale * (field - N), per parameter segment."""
+        support = track.support
         fields = bitpack.unpack(lanes, support.kept, bitpack.lane_bits(self.world_size), dtype=torch.int32)
-        values = fields.to(torch.float32).sub_(self.world_size)
-        self._per_segment(values, scales, support.segments, torch.Tensor.mul_)
-        values = torch.where(scales[-1] > 0, torch.nan, values)
-        return support.scatter(values.to(ctx.bucket.dtype), ctx.bucket)
+        values = track.buffers["prob"].copy_(fields).sub_(self.world_size)
+        # A non-finite gradient on any rank: every scale becomes NaN, and so every decoded entry.
+        shared = scales[:-2] + torch.where(scales[-1] > 0, torch.nan, 0.0)
+        self._per_segment(values, shared, support.segments, torch.Tensor.mul_)
+        return values
 
     # --- checkpoint -------------------------------------------------------------------------------------------
 
