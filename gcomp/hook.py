@@ -72,7 +72,7 @@ class HookState:
             names = [self._names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
             info = BucketInfo.from_layout(bucket.index(), buffer.dtype, names, [p.numel() for p in params])
             self._layouts[signature] = info
-            self.stats["layouts"] = len(self._layouts)
+            self.stats["layouts"] += 1  # counted on, so a resumed run continues the checkpoint's count
         return info
 
     def reduce(self, bucket) -> torch.futures.Future:

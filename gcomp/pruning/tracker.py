@@ -124,29 +124,42 @@ class MaskTracker:
         return track, changed_here
 
     def _restore(self, info: BucketInfo, device) -> BucketTrack:
-        """A new track, or the checkpointed one when its support, rebuilt from the masks, is the one it froze.
+        """A new track, or the checkpointed one when the support it froze (or had out as a candidate),
+        rebuilt from the masks, is still the same.
 
         Every rank loads the same checkpoint and (DDP broadcast the buffers) holds the same masks, so every
         rank takes the same decision here without a collective.
         """
         saved = self._restored.pop(info.key, None)
-        if saved is None or saved["mode"] == TRACKING:
+        if saved is None:
             return BucketTrack()
-        support = self._build(info, device)
-        if not torch.equal(support.digest.cpu(), saved["digest"].cpu()):
+        support = self._build(info, device) if "digest" in saved else None
+        if support is not None and not torch.equal(support.digest.cpu(), saved["digest"].cpu()):
             return BucketTrack()
-        track = BucketTrack(mode=saved["mode"], support=support, pending=(torch.tensor([False, True]), None))
+        track = BucketTrack(mode=saved["mode"], stable=saved["stable"],
+                            pending=(saved["pending"], None) if "pending" in saved else None)
+        if track.mode == TRACKING:
+            track.candidate = support
+        else:
+            track.support = support
         if "residual" in saved:
             track.buffers["residual"] = saved["residual"].to(device)
         return track
 
     def state_dict(self) -> dict:
-        """Per bucket layout: its mode, its frozen support's digest and its error-feedback residual."""
+        """Per bucket layout: mode, stable count, the flags received last, the digest of the frozen (or
+        candidate) support and the error-feedback residual."""
         out = {}
         for key, t in self.tracks.items():
-            entry = {"mode": t.mode}
-            if t.support is not None:
-                entry["digest"] = t.support.digest.cpu()
+            entry = {"mode": t.mode, "stable": t.stable}
+            if t.pending is not None:
+                host, copied = t.pending
+                if copied is not None:
+                    copied.synchronize()
+                entry["pending"] = host.clone()
+            support = t.support if t.support is not None else t.candidate
+            if support is not None:
+                entry["digest"] = support.digest.cpu()
             if "residual" in t.buffers:
                 entry["residual"] = t.buffers["residual"]
             out[key] = entry

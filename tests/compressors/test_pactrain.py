@@ -1,0 +1,463 @@
+"""``pactrain``: integer lanes up to 1024 ranks, the ternary codec (unbiased, non-finite flag), and pruned models
+trained under DDP on 2-4 ranks: equal to plain DDP, replicas identical, pruned entries never moving, bytes equal
+to the kept fraction, the mask tracker in DDP (warm-up, rebuild, ranks that disagree, re-pruning),
+channels_last, and checkpoints.
+
+The multi-rank tests read one cached rank job per world size (tests/compressors/pactrain_jobs.py). The support
+index and the tracker's state machine have their own files: tests/pruning/test_support.py and test_tracker.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn.utils import prune
+
+from gcomp import BucketInfo
+from gcomp.collectives.bitpack import WORD_BITS, fields_per_word, lane_bits, pack, packed_words, unpack
+from gcomp.compressors.pactrain import PacTrainCompressor
+from gcomp.pruning import mask_of
+from tests.compressors import pactrain_jobs as jobs
+from tests.distributed import run_ranks
+
+# --- integer lanes up to 1024 ranks --------------------------------------------------------------------------------
+# tests/collectives/test_bitpack.py has the round trips (every width) and the lane sum with field 0 at its maximum;
+# what it leaves out: every word's top field at its maximum, so that for the widths that divide 64 (1, 4-7 and
+# 64-127 ranks) the SUM runs into the sign bit of every word and wraps.
+
+WORLDS = st.one_of(st.sampled_from([1, 4, 5, 7, 64, 100, 127, 511, 512, 1023, 1024]), st.integers(1, 1024))
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=WORLDS, words=st.integers(1, 5), extra=st.integers(0, 63), seed=st.integers(0, 2**31 - 1))
+def test_lane_sums_survive_the_int64_wrap_of_the_top_field(world, words, extra, seed):
+    bits = lane_bits(world)
+    per_word = fields_per_word(bits)
+    n = words * per_word + extra % per_word  # whole words, then maybe a partial one
+    codes = torch.randint(-1, 2, (world, n), generator=torch.Generator().manual_seed(seed))
+    codes[:, per_word - 1::per_word] = 1  # the top field of every word sums to 2N
+    codes[:, 0] = 1
+    width = packed_words(n, bits) * per_word
+    padded = torch.zeros(world, width, dtype=torch.uint8)
+    padded[:, :n] = (codes + 1).to(torch.uint8)
+    lanes = pack(padded.reshape(-1), bits).reshape(world, -1)  # row r: rank r's words
+    for r in {0, world - 1}:  # the batched packing is each rank's own
+        assert torch.equal(lanes[r], pack((codes[r] + 1).to(torch.uint8), bits))
+        assert torch.equal(unpack(lanes[r], n, bits), codes[r] + 1)
+    total = lanes.sum(0)  # int64 SUM, as gloo and NCCL do it: wraps modulo 2**64
+    if WORD_BITS % bits == 0 and bits > 1:
+        assert (total[:words] < 0).all(), "the top field's sum should have reached the sign bit"
+    assert torch.equal(unpack(total, n, bits) - world, codes.sum(0))
+
+
+# --- the codec, driven in-process ----------------------------------------------------------------------------------
+# Ranks are simulated in one process: one compressor per rank (bound to no process group, then told the world
+# size), their collectives computed here: SUM as a sum, MAX as fmax, which drops a NaN as a real MAX may.
+
+def _tiny_pruned(seed: int = 0) -> tuple[nn.Module, BucketInfo, torch.Tensor]:
+    """A Linear(8, 6) pruned at random (one output row entirely) and an unpruned Linear(6, 3), one bucket in
+    DDP's order (last layer first). Returns the model, the bucket and its support."""
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 3))
+    mask = (torch.rand(6, 8, generator=g) < 0.5).float()
+    mask[2] = 0
+    prune.custom_from_mask(model[0], "weight", mask)
+    params = dict(model.named_parameters())
+    names = list(params)[::-1]
+    info = BucketInfo.from_layout(0, torch.float32, names, [params[n].numel() for n in names])
+    support = torch.cat([torch.ones(params[n].numel(), dtype=torch.bool) if mask_of(model, n) is None
+                         else (mask_of(model, n) != 0).reshape(-1) for n in names])
+    return model, info, support
+
+
+def _compressors(world: int, model: nn.Module, **params) -> list[PacTrainCompressor]:
+    comps = []
+    for rank in range(world):
+        comp = PacTrainCompressor(stable_steps=1, seed=rank, **params)  # its own seed: independent draws
+        comp.bind(model, None, {})
+        comp.world_size = world
+        comps.append(comp)
+    return comps
+
+
+def _max(tensors: list[torch.Tensor]) -> torch.Tensor:
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        out = torch.fmax(out, t) if out.is_floating_point() else torch.maximum(out, t)
+    return out
+
+
+def _exchange(comps, info: BucketInfo, grads: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
+    """One step of every simulated rank: returns the mode and what each rank decoded."""
+    payloads = [c.compress(g.clone(), info) for c, g in zip(comps, grads)]
+    mode = payloads[0].ctx.mode
+    assert all(p.ctx.mode == mode for p in payloads)
+    if mode == "ternary":
+        scales = _max([p.tensors[0] for p in payloads])
+        for c, p in zip(comps, payloads):
+            p.tensors[0] = scales.clone()
+            c.ternarise(p)
+        received = [scales, torch.stack([p.tensors[1] for p in payloads]).sum(0)]
+    else:
+        received = [torch.stack([p.tensors[0] for p in payloads]).sum(0)]
+        if mode == "tracking":
+            received.append(_max([p.tensors[1] for p in payloads]))
+    return mode, [c.decompress([t.clone() for t in received], p.ctx) for c, p in zip(comps, payloads)]
+
+
+def _reach(mode: str, comps, info: BucketInfo, grads) -> None:
+    for _ in range(4):  # stable_steps=1: tracking, candidate, then frozen
+        if _exchange(comps, info, grads)[0] == mode:
+            return
+    pytest.fail(f"the bucket never went {mode}")
+
+
+SAMPLES = 1000
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_ternary_is_unbiased(world):
+    """The mean of the decoded ``s * T`` over many steps approaches the sum of the ranks' gradients on the support,
+    within 6 standard errors from the per-entry variance ``sum_i s * |g_i| - g_i**2``; off the support it is
+    exactly 0, and every step decodes to a multiple ``s * T`` with integer ``|T| <= N``."""
+    model, info, support = _tiny_pruned()
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(info.numel, generator=g) for _ in range(world)]
+    zero = support.nonzero().reshape(-1)[[0, 1, 2, 10, 30]]  # the whole first parameter (3 biases) and two more
+    for grad in grads:
+        grad[zero] = 0.0  # no variance: must come out exactly 0 (a scale of 0 too, for the first parameter)
+    comps = _compressors(world, model, ternary=True)
+    _reach("ternary", comps, info, grads)
+
+    # the shared scale of each entry: max |g| over every rank's kept entries of its parameter
+    scale = torch.zeros(info.numel, dtype=torch.float64)
+    for (_, offset, numel) in info.segments():
+        part = slice(offset, offset + numel)
+        kept_part = support[part]
+        if kept_part.any():
+            scale[part] = max(float(gr[part][kept_part].abs().max()) for gr in grads)
+    stacked = torch.stack(grads).double()
+    expected = torch.where(support, stacked.sum(0), 0.0)
+    variance = (scale * stacked.abs() - stacked**2).sum(0)
+
+    total = torch.zeros(info.numel, dtype=torch.float64)
+    for _ in range(SAMPLES):
+        mode, decoded = _exchange(comps, info, grads)
+        assert mode == "ternary"
+        assert all(torch.equal(d, decoded[0]) for d in decoded[1:]), "ranks decoded different values"
+        d = decoded[0].double()
+        assert (d[~support] == 0).all() and (d[scale == 0] == 0).all()
+        scaled = support & (scale > 0)
+        steps_of_scale = d[scaled] / scale[scaled]
+        assert ((steps_of_scale - steps_of_scale.round()).abs() <= 1e-5).all()
+        assert (steps_of_scale.abs() <= world + 1e-5).all()
+        total += d
+    mean = total / SAMPLES
+    bound = 6 * (variance / SAMPLES).sqrt() + 1e-6 * world * scale
+    err = (mean - expected).abs()
+    assert (err[support] <= bound[support]).all(), (
+        f"biased: worst entry off by {(err - bound)[support].max().item():.3g} beyond 6 standard errors")
+    assert torch.equal(mean[zero], torch.zeros(len(zero), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("ternary", [False, True], ids=["packed", "ternary"])
+def test_nonfinite_on_the_support_surfaces_on_every_rank(ternary, bad):
+    """One rank's non-finite entry decodes to non-finite on every rank; ternary decodes it as NaN through its
+    flag slot even though the simulated MAX of the scales (fmax) drops a NaN scale."""
+    model, info, support = _tiny_pruned()
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(info.numel, generator=g) for _ in range(2)]
+    comps = _compressors(2, model, ternary=ternary)
+    _reach("ternary" if ternary else "packed", comps, info, grads)
+    where = int(support.nonzero()[5])
+    grads[1][where] = bad
+    _, decoded = _exchange(comps, info, grads)
+    for d in decoded:
+        assert not torch.isfinite(d[where])
+        if ternary:
+            assert torch.isnan(d[where])
+    # and a finite step afterwards decodes finite again (the flag is not sticky)
+    grads[1][where] = 0.0
+    _, decoded = _exchange(comps, info, grads)
+    assert all(torch.isfinite(d).all() for d in decoded)
+
+
+# --- pruned models under DDP: one rank job per world size ------------------------------------------------------------
+
+WORLD_CONFIGS = {2: list(jobs.CONFIGS), 3: ["basic"], 4: ["basic", "ternary"]}
+_cache: dict = {}
+
+
+def _ranks(world: int) -> list[dict]:
+    """Per rank: ``{config name: {"pactrain": run, "reference": run or None}}`` (see ``jobs.train``)."""
+    if world not in _cache:
+        try:
+            _cache[world] = (True, run_ranks(world, jobs.job_train, WORLD_CONFIGS[world]))
+        except AssertionError as err:
+            _cache[world] = (False, err)
+    ok, value = _cache[world]
+    if not ok:
+        raise AssertionError(f"the {world}-rank job failed") from value
+    return value
+
+
+def _runs(world: int, name: str, which: str = "pactrain") -> list[dict]:
+    return [r[name][which] for r in _ranks(world)]
+
+
+def _assert_same(got: dict, expected: dict, exact: bool, what: str) -> None:
+    """Bit for bit, or within float summation tolerance (1e-6 relative) where rank order may differ."""
+    for name, e in expected.items():
+        a = got[name]
+        ok = torch.equal(a, e) if exact else torch.allclose(a, e, rtol=1e-6, atol=1e-7)
+        assert ok, f"{what}: {name} differs by up to {(a.double() - e.double()).abs().max().item():.3g}"
+
+
+LOSSLESS = [(2, n) for n in ("basic", "static", "view", "cnn_cl", "rebuild", "mismatch", "diverge", "reprune")] \
+    + [(3, "basic"), (4, "basic")]
+EVERY = [(2, n) for n in jobs.CONFIGS] + [(3, "basic"), (4, "basic"), (4, "ternary")]
+
+
+def _id(case) -> str:
+    return f"ws{case[0]}-{case[1]}"
+
+
+@pytest.mark.parametrize("world, name", LOSSLESS, ids=map(_id, LOSSLESS))
+def test_lossless_training_equals_plain_ddp(world, name):
+    """Parameters and last gradients after training equal plain DDP's (no hook: a dense all-reduce of the masked
+    gradients) with the same masks, per rank, and the same mask edits at the same step: bit for bit on 2 ranks.
+
+    ``mismatch``: rank 1 holds other masks throughout (pactrain must stay dense). ``diverge`` (rank 1) and
+    ``reprune`` (every rank) prune more during training: the step of the edit is still reduced on the old
+    support, which holds every rank's new mask, so it equals the dense reduction too; the next steps are dense
+    (diverge) or packed on the new support (reprune)."""
+    for rank, r in enumerate(_ranks(world)):
+        got, reference = r[name]["pactrain"], r[name]["reference"]
+        assert got["history"][-1]["packed_buckets"] > 0 or name == "mismatch"
+        _assert_same(got["params"], reference["params"], world == 2, f"rank {rank} parameters")
+        _assert_same(got["grads"], reference["grads"], world == 2, f"rank {rank} last gradients")
+
+
+@pytest.mark.parametrize("world, name", EVERY, ids=map(_id, EVERY))
+def test_replicas_stay_identical(world, name):
+    runs = _runs(world, name)
+    for rank, run in enumerate(runs[1:], 1):
+        _assert_same(run["params"], runs[0]["params"], True, f"rank {rank} against rank 0")
+
+
+@pytest.mark.parametrize("world, name", EVERY, ids=map(_id, EVERY))
+def test_pruned_entries_never_move(world, name):
+    """Entries every rank's initial mask prunes keep their initial value (zero gradient, so zero momentum) and
+    the effective weight there is exactly 0; entries every rank's final mask prunes get an exactly zero gradient
+    at the last step; kept entries did train."""
+    runs = _runs(world, name)
+    for pname in runs[0]["init_masks"]:
+        pruned = torch.stack([r["init_masks"][pname] == 0 for r in runs]).all(0)
+        pruned_at_end = torch.stack([r["masks"][pname] == 0 for r in runs]).all(0)
+        assert pruned.any()
+        for rank, r in enumerate(runs):
+            assert torch.equal(r["params"][pname][pruned], r["init"][pname][pruned]), f"rank {rank}: {pname} moved"
+            assert ((r["params"][pname] * r["masks"][pname])[pruned_at_end] == 0).all()
+            assert (r["grads"][pname][pruned_at_end] == 0).all(), f"rank {rank}: {pname} has gradient off its mask"
+            assert not torch.equal(r["params"][pname][~pruned], r["init"][pname][~pruned])
+
+
+# --- bytes -------------------------------------------------------------------------------------------------------
+
+def _step_bytes(run: dict, world: int, ternary: bool, dense_above: float = 0.9) -> tuple[int, int, int]:
+    """What one step sends once every bucket froze, from the final masks and the hook's bucket layouts:
+    ``(bytes sent, bytes of a plain fp32 all-reduce, buckets packed)``.
+
+    Packed: the kept entries plus 1 flag entry, fp32. Ternary: one fp32 scale per parameter plus 2 flag slots,
+    then one ``lane_bits(N)``-bit field per kept entry in int64 words. A bucket keeping more than
+    ``dense_above`` goes whole."""
+    sent = dense = packed = 0
+    for names, numels in run["layouts"]:
+        numel = sum(numels)
+        kept = sum(int(run["masks"][n].count_nonzero()) if n in run["masks"] else k for n, k in zip(names, numels))
+        dense += 4 * numel
+        if kept > dense_above * numel:
+            sent += 4 * numel
+        elif ternary:
+            sent += 4 * (len(names) + 2) + 8 * packed_words(kept, lane_bits(world))
+            packed += 1
+        else:
+            sent += 4 * (kept + 1)
+            packed += 1
+    return sent, dense, packed
+
+
+def _since_last_freeze(history: list[dict]) -> tuple[int, dict]:
+    """Steps after the last step in which a bucket froze, and the stats' growth over them."""
+    last = max(i for i in range(1, len(history)) if history[i]["freezes"] > history[i - 1]["freezes"])
+    return len(history) - 1 - last, {k: history[-1][k] - history[last][k] for k in history[-1]}
+
+
+BYTES = [(2, "basic"), (2, "static"), (2, "view"), (2, "cnn_cl"), (2, "reprune"), (3, "basic"), (4, "basic")]
+
+
+@pytest.mark.parametrize("world, name", BYTES, ids=map(_id, BYTES))
+def test_packed_steps_send_the_kept_fraction(world, name):
+    """Over the steps after the tracker froze, bytes_sent / bytes_dense is the kept fraction of the buckets
+    (kept + 1 flag entry per packed bucket, the whole of a bucket kept above 0.9): exactly, in bytes."""
+    for rank, run in enumerate(_runs(world, name)):
+        steps, grown = _since_last_freeze(run["history"])
+        sent, dense, packed = _step_bytes(run, world, ternary=False)
+        assert steps >= 2 and packed >= 1 and grown["unfreezes"] == 0
+        assert grown["packed_buckets"] == steps * packed
+        assert grown["bytes_dense"] == steps * dense
+        assert grown["bytes_sent"] == steps * sent, (
+            f"rank {rank}: ratio {grown['bytes_sent'] / grown['bytes_dense']:.4f}, kept fraction {sent / dense:.4f}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ternary_packed_steps_send_lane_bits_per_kept_entry(world):
+    """Ternary after the freeze: the exact bytes of ``_step_bytes``, and at most the kept fraction times
+    ``lane_bits(N) / 32`` (4/32 on 4 ranks) plus the scales and each bucket's last, partly filled word."""
+    for run in _runs(world, "ternary"):
+        steps, grown = _since_last_freeze(run["history"])
+        sent, dense, packed = _step_bytes(run, world, ternary=True)
+        assert steps >= 2 and packed >= 1
+        assert grown["bytes_dense"] == steps * dense
+        assert grown["bytes_sent"] == steps * sent
+        bound = 0.0
+        for names, numels in run["layouts"]:
+            numel = sum(numels)
+            kept = sum(int(run["masks"][n].count_nonzero()) if n in run["masks"] else k
+                       for n, k in zip(names, numels))
+            if kept > 0.9 * numel:
+                bound += 4 * numel
+            else:
+                bound += 4 * kept * lane_bits(world) / 32 + 4 * (len(names) + 2) + 8
+        assert grown["bytes_sent"] <= steps * bound
+
+
+# --- the mask tracker in DDP -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, warmup", [("basic", 1), ("static", 2)])
+def test_never_packs_before_the_buckets_are_final(name, warmup):
+    """Nothing is packed during the hook's warm-up (DDP's rebuild: 1 step, 2 with static_graph) nor in the
+    ``stable_steps`` (5) + 1 tracking steps on the final layout after it; packing starts right then."""
+    first = warmup + 5 + 1
+    for run in _runs(2, name):
+        history = run["history"]
+        assert [h["packed_buckets"] for h in history[:first]] == [0] * first
+        assert history[first]["packed_buckets"] > 0
+        assert history[-1]["warmup_steps"] == warmup
+        assert history[first - 1]["layouts"] == history[-1]["layouts"] == len(run["layouts"]) == 3
+
+
+def test_survives_the_rebuild():
+    """With the warm-up cut to 0 the tracker sees DDP's initial one-bucket layout, then the 3 rebuilt ones, and
+    tracks the new ones from scratch: packing starts at step 1 + stable_steps (2) + 1."""
+    for run in _runs(2, "rebuild"):
+        history = run["history"]
+        assert history[0]["layouts"] == 1 and history[-1]["layouts"] == 4
+        assert [h["packed_buckets"] for h in history[:4]] == [0] * 4
+        assert history[4]["packed_buckets"] == 2
+
+
+def test_a_rank_with_other_masks_is_detected_and_sent_dense():
+    """Rank 1 holds other masks from the start (broadcast_buffers=False): every candidate support's digest
+    differs, so every rank warns, counts a mismatch per packable bucket and check (each stable_steps + 1 = 3
+    steps: 3 checks in 11 steps), never packs and never freezes those buckets (the unpruned bucket, the same on
+    every rank, freezes into dense mode). Equality with plain DDP: test_lossless_training_equals_plain_ddp."""
+    for run in _runs(2, "mismatch"):
+        last = run["history"][-1]
+        assert last["packed_buckets"] == 0 and last["freezes"] == 1 and last["unfreezes"] == 0
+        assert last["mask_mismatches"] == 3 * 2
+        assert sum("different masks" in w for w in run["warnings"]) == 3 * 2
+
+
+def test_one_rank_changing_its_masks_falls_back_to_dense():
+    """Rank 1 prunes more in place at step EDIT_AT, after the freeze: that step is still packed (on the old
+    support), the next unfreezes both packed buckets on every rank with a warning, and from then on the digests
+    differ: dense all-reduce with mismatches, packed_buckets stops growing."""
+    at = jobs.EDIT_AT
+    for run in _runs(2, "diverge"):
+        history = run["history"]
+        assert history[at]["packed_buckets"] > history[at - 1]["packed_buckets"]
+        assert history[-1]["packed_buckets"] == history[at]["packed_buckets"]
+        assert history[at]["unfreezes"] == 0 and history[at + 1]["unfreezes"] == history[-1]["unfreezes"] == 2
+        assert history[-1]["mask_mismatches"] > 0
+        assert sum("changed on some rank" in w for w in run["warnings"]) == 2
+        assert any("different masks" in w for w in run["warnings"])
+
+
+def test_masks_changed_on_every_rank_refreeze_on_the_new_support():
+    """Every rank re-prunes at step EDIT_AT (one mask edited in place, one replaced by torch's prune): both packed
+    buckets unfreeze at the next step, track stable_steps (2) steps, freeze again and pack from step
+    EDIT_AT + 1 + 2 + 1 on; test_packed_steps_send_the_kept_fraction checks the bytes against the new masks."""
+    at = jobs.EDIT_AT
+    for run in _runs(2, "reprune"):
+        history = run["history"]
+        packed = [h["packed_buckets"] for h in history]
+        assert history[at + 1]["unfreezes"] == history[-1]["unfreezes"] == 2
+        assert history[-1]["freezes"] == 3 + 2 and history[-1]["mask_mismatches"] == 0
+        assert packed[at + 1] == packed[at + 3] == packed[at] and packed[at + 4] == packed[at] + 2
+        for pname, mask in run["masks"].items():
+            assert mask.count_nonzero() < run["init_masks"][pname].count_nonzero()
+        assert sum("changed on some rank" in w for w in run["warnings"]) == 2
+
+
+# --- channels_last -----------------------------------------------------------------------------------------------
+
+def test_channels_last_cnn_matches_its_contiguous_twin():
+    """The same pruned CNN in channels_last and contiguous under pactrain on 2 ranks: both pack, and the
+    parameters agree up to the convolution kernels' own rounding (they differ by layout in the last bits; the
+    bit-exact check of channels_last is against plain DDP in test_lossless_training_equals_plain_ddp). A support
+    laid out in logical instead of memory order would drop kept gradients and be far off."""
+    for cl, twin in zip(_runs(2, "cnn_cl"), _runs(2, "cnn")):
+        weight = cl["params"]["0.weight_orig"]
+        assert weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous()
+        assert cl["history"][-1]["packed_buckets"] > 0 and twin["history"][-1]["packed_buckets"] > 0
+        for name, p in twin["params"].items():
+            assert torch.allclose(cl["params"][name], p, rtol=1e-5, atol=1e-6), name
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------------------
+
+FIXED = {"find_unused_parameters": True}  # one bucket layout throughout: a fresh DDP model starts on the same one
+RESUME_STEPS = 14
+RESUMES = {  # name: (pactrain parameters, DDP options, checkpoint after this many steps, load the hook state)
+    "lossless-rebuilt": ({}, {}, 9, True),
+    "ternary-frozen": ({"ternary": True}, FIXED, 9, True),
+    "ternary-ef-frozen": ({"ternary": True, "error_feedback": True}, FIXED, 9, True),
+    "ternary-tracking": ({"ternary": True}, FIXED, 3, True),
+    "ternary-frozen-no-hook-state": ({"ternary": True}, FIXED, 9, False),
+}
+_resume_cache: dict = {}
+
+
+def _resumed(name: str) -> list[dict]:
+    if "ranks" not in _resume_cache:
+        _resume_cache["ranks"] = run_ranks(2, jobs.job_resume, RESUMES, RESUME_STEPS)
+    return [r[name] for r in _resume_cache["ranks"]]
+
+
+@pytest.mark.parametrize("name", [
+    "lossless-rebuilt", "ternary-frozen", "ternary-ef-frozen", "ternary-tracking",
+])
+def test_state_dict_resume_is_bit_identical(name):
+    """Train 14 steps on 2 ranks straight, or checkpoint (model, optimizer, hook; torch.load weights_only) and
+    resume on a fresh pruned model, DDP and hook: the same parameters bit for bit, and for ternary the same
+    packed steps. Ternary needs a fixed bucket layout (a fresh DDP model starts from its initial layout, where a
+    run that never stopped is on the rebuilt one, as for every layout-dependent method in test_contracts);
+    lossless pactrain is exact on 2 ranks whatever it sends, so its case goes through DDP's rebuild."""
+    for rank, run in enumerate(_resumed(name)):
+        assert torch.equal(torch.cat([p.reshape(-1) for p in run["resumed"].values()]),
+                           torch.cat([p.reshape(-1) for p in run["straight"].values()])), f"rank {rank} diverged"
+        assert run["straight_stats"]["packed_buckets"] > 0
+        if name.startswith("ternary"):
+            for key in ("packed_buckets", "freezes", "bytes_sent"):
+                assert run["resumed_stats"][key] == run["straight_stats"][key], key
+
+
+def test_resume_without_the_hook_state_diverges():
+    """The control for the test above: without the hook state (generator, frozen supports) a ternary run leaves
+    its trajectory."""
+    for run in _resumed("ternary-frozen-no-hook-state"):
+        assert not torch.equal(run["resumed"]["0.weight_orig"], run["straight"]["0.weight_orig"])

@@ -1,0 +1,265 @@
+"""PacTrain's mask tracker (``gcomp.pruning.tracker``): its state machine, step by step, on simulated ranks.
+
+Each rank is a copy of one small pruned model with its own ``MaskTracker``; the collectives the tracker relies
+on are computed here: the MAX of the tracking flags, the SUM of the packed steps' "changed" counters. The same
+machine inside DDP (warm-up, rebuild, real ranks) is tested in tests/compressors/test_pactrain.py.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import prune
+
+from gcomp import BucketInfo
+from gcomp.pruning.tracker import DENSE, PACKED, TRACKING, MaskTracker
+
+STATS = ("freezes", "unfreezes", "mask_mismatches")
+
+
+def _model(seed: int = 0) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(10, 8), nn.Linear(8, 4))
+    for layer in model:
+        prune.custom_from_mask(layer, "weight", (torch.rand(layer.weight.shape, generator=g) < 0.5).float())
+    return model
+
+
+def _info(model: nn.Module, names: list[str], index: int = 0) -> BucketInfo:
+    params = dict(model.named_parameters())
+    return BucketInfo.from_layout(index, torch.float32, names, [params[n].numel() for n in names])
+
+
+BUCKET = ["1.bias", "1.weight_orig", "0.bias", "0.weight_orig"]  # DDP's order: last layer first
+
+
+class Ranks:
+    """``world`` simulated ranks, each with its own copy of the model (``build()``) and its own tracker."""
+
+    def __init__(self, world: int, stable_steps: int = 2, dense_above: float = 0.9,
+                 build: Callable[[], nn.Module] = _model):
+        self.models = [build() for _ in range(world)]
+        self.stats = [{k: 0 for k in STATS} for _ in range(world)]
+        self.trackers = [MaskTracker(stable_steps, dense_above) for _ in range(world)]
+        for tracker, m, s in zip(self.trackers, self.models, self.stats):
+            tracker.bind(m, s)
+        self.tracks: list = []
+
+    def step(self, info: BucketInfo) -> str:
+        """Every rank decides; the flags or counters they send are reduced and handed back. Returns the mode."""
+        decided = [t.decide(info, "cpu") for t in self.trackers]
+        modes = {track.mode for track, _ in decided}
+        assert len(modes) == 1, f"ranks disagree on the mode: {modes}"
+        mode = modes.pop()
+        if mode == TRACKING:
+            flags = torch.stack([MaskTracker.flags(track, changed, "cpu") for track, changed in decided]).amax(0)
+            for track, _ in decided:
+                MaskTracker.receive_flags(track, flags.clone())
+        elif mode == PACKED:
+            changed = torch.tensor([float(sum(changed for _, changed in decided))])
+            for track, _ in decided:
+                MaskTracker.receive_changed(track, changed.clone())
+        self.tracks = [track for track, _ in decided]
+        return mode
+
+    def steps(self, info: BucketInfo, n: int) -> list[str]:
+        return [self.step(info) for _ in range(n)]
+
+    def stat(self, key: str) -> int:
+        values = {s[key] for s in self.stats}
+        assert len(values) == 1, f"ranks count {key} differently: {values}"
+        return values.pop()
+
+
+def _support(model: nn.Module, names: list[str]) -> torch.Tensor:
+    params = dict(model.named_parameters())
+    masks = {n + "_orig": b for n, b in ((n.removesuffix("_mask"), b) for n, b in model.named_buffers())}
+    return torch.cat([(masks[n] != 0).reshape(-1) if n in masks else torch.ones(params[n].numel(), dtype=torch.bool)
+                      for n in names])
+
+
+def _edit_in_place(model: nn.Module, count: int = 3) -> None:
+    flat = model[0].weight_mask.view(-1)
+    flat[flat.nonzero().reshape(-1)[:count]] = 0
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("stable_steps", [1, 2, 5])
+def test_freezes_after_stable_steps_and_packs_the_mask_support(world, stable_steps):
+    ranks = Ranks(world, stable_steps)
+    info = _info(ranks.models[0], BUCKET)
+    modes = ranks.steps(info, stable_steps + 4)
+    assert modes == [TRACKING] * (stable_steps + 1) + [PACKED] * 3
+    assert ranks.stat("freezes") == 1 and ranks.stat("unfreezes") == ranks.stat("mask_mismatches") == 0
+    expected = _support(ranks.models[0], BUCKET)
+    for track in ranks.tracks:
+        assert track.support.kept == int(expected.sum()) and track.support.numel == info.numel
+        assert torch.equal(track.support.digest, ranks.tracks[0].support.digest)
+    bucket = torch.arange(1.0, info.numel + 1)
+    assert torch.equal(ranks.tracks[0].support.scatter(bucket[expected], torch.empty(info.numel)),
+                       torch.where(expected, bucket, 0.0))
+
+
+def test_candidate_digest_is_sent_on_the_candidate_step_only():
+    ranks = Ranks(2, stable_steps=2)
+    info = _info(ranks.models[0], BUCKET)
+    sent = []
+    for _ in range(3):
+        track, changed = ranks.trackers[0].decide(info, "cpu")
+        sent.append(MaskTracker.flags(track, changed, "cpu"))
+        for t in ranks.trackers[1:]:
+            t.decide(info, "cpu")
+        for t in ranks.trackers:
+            MaskTracker.receive_flags(t.tracks[info.key], torch.zeros(5, dtype=torch.int64))
+    assert [bool(f[1:].any()) for f in sent] == [False, False, True]
+    assert sent[2][2] == int(_support(ranks.models[0], BUCKET).sum())  # the digest's count of kept entries
+    assert torch.equal(sent[2][1:3], -sent[2][3:5])
+
+
+def test_unpruned_bucket_freezes_into_dense_mode_for_good():
+    ranks = Ranks(2, stable_steps=2)
+    info = _info(ranks.models[0], ["1.bias", "0.bias"])
+    assert ranks.steps(info, 8) == [TRACKING] * 3 + [DENSE] * 5
+    assert ranks.stat("freezes") == 1
+
+
+@pytest.mark.parametrize("kept, mode", [(4, PACKED), (5, DENSE)])
+def test_dense_above_is_a_strict_threshold(kept, mode):
+    def build() -> nn.Module:
+        model = nn.Linear(8, 1, bias=False)
+        return prune.custom_from_mask(model, "weight", (torch.arange(8) < kept).float().reshape(1, 8))
+
+    ranks = Ranks(1, stable_steps=1, dense_above=0.5, build=build)
+    assert ranks.steps(_info(ranks.models[0], ["weight_orig"]), 3) == [TRACKING, TRACKING, mode]
+
+
+def test_without_a_model_every_entry_is_kept_and_the_bucket_goes_dense():
+    tracker, stats = MaskTracker(stable_steps=1), {k: 0 for k in STATS}
+    tracker.bind(None, stats)
+    info = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [3, 4])
+    modes = []
+    for _ in range(3):
+        track, changed = tracker.decide(info, "cpu")
+        modes.append(track.mode)
+        if track.mode == TRACKING:
+            MaskTracker.receive_flags(track, MaskTracker.flags(track, changed, "cpu"))
+    assert modes == [TRACKING, TRACKING, DENSE] and stats["freezes"] == 1
+
+
+def test_a_rank_with_other_masks_never_freezes_and_warns_at_every_check():
+    ranks = Ranks(3, stable_steps=2)
+    ranks.models[1][0].weight_mask.view(-1)[0] = 1 - ranks.models[1][0].weight_mask.view(-1)[0]
+    info = _info(ranks.models[0], BUCKET)
+    ranks.step(info)  # rank 1's edit came before the first step: not a change, only a different mask
+    with pytest.warns(RuntimeWarning, match="different masks") as caught:
+        modes = ranks.steps(info, 8)
+    assert modes == [TRACKING] * 8
+    # a candidate every stable_steps + 1 = 3 steps, each checked (and failed) at the next: steps 3, 6 (and 9)
+    assert ranks.stat("mask_mismatches") == 2 and ranks.stat("freezes") == 0
+    assert len(caught) == 2 * 3  # every rank warns
+
+
+def test_an_edit_on_one_rank_unfreezes_at_the_next_step():
+    """The step that sees the edit still goes packed on the agreed support (every rank decides alike, and
+    packing is what was agreed); the next step goes back to tracking on every rank, with a warning."""
+    ranks = Ranks(2, stable_steps=2)
+    info = _info(ranks.models[0], BUCKET)
+    assert ranks.steps(info, 4)[-1] == PACKED
+    kept = ranks.tracks[0].support.kept
+    _edit_in_place(ranks.models[1])
+    assert ranks.step(info) == PACKED and ranks.tracks[0].support.kept == kept
+    with pytest.warns(RuntimeWarning, match="changed on some rank"):
+        assert ranks.step(info) == TRACKING
+    assert ranks.stat("unfreezes") == 1
+    assert all(t.support is None and not t.buffers for t in ranks.tracks)
+    with pytest.warns(RuntimeWarning, match="different masks"):
+        assert ranks.steps(info, 6) == [TRACKING] * 6  # rank 1's support differs from now on
+    assert ranks.stat("freezes") == 1
+
+
+@pytest.mark.parametrize("how", ["in place", "replaced"])
+def test_masks_changed_on_every_rank_refreeze_on_the_new_support(how):
+    ranks = Ranks(2, stable_steps=2)
+    info = _info(ranks.models[0], BUCKET)
+    ranks.steps(info, 4)
+    old = ranks.tracks[0].support.kept
+    new_mask = (torch.arange(80) % 3 == 0).float().reshape(8, 10)
+    for model in ranks.models:
+        if how == "in place":
+            _edit_in_place(model, 5)
+        else:  # torch's PruningContainer: a new mask object, the product of the old and the new
+            before = model[0].weight_mask
+            prune.custom_from_mask(model[0], "weight", new_mask)
+            assert model[0].weight_mask is not before
+    expected = _support(ranks.models[0], BUCKET)
+    assert int(expected.sum()) < old
+    assert ranks.step(info) == PACKED  # the step of the change: the old support still
+    with pytest.warns(RuntimeWarning, match="changed on some rank"):
+        modes = ranks.steps(info, 5)
+    assert modes == [TRACKING] * 3 + [PACKED] * 2
+    assert ranks.stat("unfreezes") == 1 and ranks.stat("freezes") == 2 and ranks.stat("mask_mismatches") == 0
+    for track in ranks.tracks:
+        assert track.support.kept == int(expected.sum())
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_change_while_tracking_restarts_the_count(at):
+    """stable_steps=2: without a change the candidate goes at step 2 and the bucket freezes at step 3. A change
+    on every rank seen at step ``at`` (2: the candidate step, whose candidate is dropped) is known to every rank
+    at ``at + 1``, where the count restarts: the bucket freezes at ``at + 1 + 2 + 1``."""
+    ranks = Ranks(2, stable_steps=2)
+    info = _info(ranks.models[0], BUCKET)
+    ranks.steps(info, at)
+    for model in ranks.models:
+        _edit_in_place(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a change while tracking is no mismatch and no unfreeze: no warning
+        modes = ranks.steps(info, 8)
+    assert at + modes.index(PACKED) == at + 1 + 2 + 1
+    assert ranks.stat("freezes") == 1 and ranks.stat("mask_mismatches") == 0
+    assert ranks.tracks[0].support.kept == int(_support(ranks.models[0], BUCKET).sum())
+
+
+def test_each_bucket_layout_is_tracked_on_its_own():
+    """A new layout (DDP's rebuild) starts tracking from scratch; the one frozen before stays frozen."""
+    ranks = Ranks(2, stable_steps=1)
+    whole = _info(ranks.models[0], BUCKET)
+    ranks.steps(whole, 3)
+    first, second = _info(ranks.models[0], BUCKET[:2], 0), _info(ranks.models[0], BUCKET[2:], 1)
+    assert ranks.steps(first, 3) == [TRACKING, TRACKING, PACKED]
+    assert ranks.steps(second, 3) == [TRACKING, TRACKING, PACKED]
+    assert ranks.step(whole) == PACKED
+    assert ranks.stat("freezes") == 3
+
+
+def test_state_dict_restores_a_frozen_support_only_onto_the_same_masks():
+    ranks = Ranks(2, stable_steps=2)
+    info = _info(ranks.models[0], BUCKET)
+    ranks.steps(info, 4)
+    saved = [t.state_dict() for t in ranks.trackers]
+    for value in saved[0][info.key].values():
+        assert isinstance(value, (str, torch.Tensor))
+
+    same = Ranks(2, stable_steps=2)
+    for t, s in zip(same.trackers, saved):
+        t.load_state_dict(s)
+    assert same.steps(info, 2) == [PACKED, PACKED] and same.stat("freezes") == 0
+    assert same.tracks[0].support.kept == ranks.tracks[0].support.kept
+
+    other = Ranks(2, stable_steps=2, build=lambda: _model(seed=1))
+    for t, s in zip(other.trackers, saved):
+        t.load_state_dict(s)
+    assert other.steps(info, 4) == [TRACKING] * 3 + [PACKED]
+    assert other.tracks[0].support.kept == int(_support(other.models[0], BUCKET).sum())
+
+
+def test_state_dict_keeps_the_count_of_a_tracking_bucket():
+    ranks = Ranks(1, stable_steps=2)
+    info = _info(ranks.models[0], BUCKET)
+    ranks.steps(info, 2)
+    resumed = Ranks(1, stable_steps=2)
+    resumed.trackers[0].load_state_dict(ranks.trackers[0].state_dict())
+    assert resumed.steps(info, 3) == ranks.steps(info, 3) == [TRACKING, PACKED, PACKED]
