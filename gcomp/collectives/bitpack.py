@@ -69,20 +69,27 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def unpack(words: torch.Tensor, n: int, bits: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """The ``n`` fields packed in ``words`` (each field's value, or its sum over ranks after an all-reduce)."""
+def unpack(words: torch.Tensor, n: int, bits: int, dtype: torch.dtype = torch.int64,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``n`` fields packed in ``words`` (each field's value, or its sum over ranks after an all-reduce).
+
+    ``out``, if given, is a flat buffer of at least ``words.numel() * (64 // bits)`` entries (any dtype that
+    holds the field values) that receives every field; the first ``n`` are returned.
+    """
     per_word = fields_per_word(bits)
     if words.numel() * per_word < n:
         raise ValueError(f"{words.numel()} words of {per_word} fields cannot hold {n} fields")
     mask = (1 << bits) - 1
-    if bits in _BYTE_FIELDS:
-        octets = words.contiguous().view(torch.uint8)
-        out = torch.empty(octets.numel(), 8 // bits, dtype=dtype, device=words.device)
-        for j in range(out.shape[1]):
-            out[:, j] = octets.bitwise_right_shift(j * bits).bitwise_and_(mask)
-        return out.reshape(-1)[:n]
-    out = torch.empty(words.numel(), per_word, dtype=dtype, device=words.device)
-    for j in range(per_word):
-        # The arithmetic shift of a negative word fills with ones; the mask removes them.
-        out[:, j] = words.bitwise_right_shift(j * bits).bitwise_and_(mask)
-    return out.reshape(-1)[:n]
+    # Byte-wide fields are cut from the words' bytes; others from the int64 words, where the arithmetic
+    # shift of a negative word fills with ones and the mask removes them.
+    source = words.contiguous().view(torch.uint8) if bits in _BYTE_FIELDS else words
+    columns = 8 // bits if bits in _BYTE_FIELDS else per_word
+    total = source.numel() * columns
+    if out is None:
+        out = torch.empty(total, dtype=dtype, device=words.device)
+    elif out.dim() != 1 or out.numel() < total:
+        raise ValueError(f"out must be a flat tensor of at least {total} entries; got shape {tuple(out.shape)}")
+    grid = out[:total].view(source.numel(), columns)
+    for j in range(columns):
+        grid[:, j] = source.bitwise_right_shift(j * bits).bitwise_and_(mask)
+    return out[:n]

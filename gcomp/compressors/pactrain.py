@@ -87,17 +87,20 @@ class PacTrainCompressor(Compressor):
         lanes = torch.empty(bitpack.packed_words(support.kept, bits), dtype=torch.int64, device=tensor.device)
         return Payload([scales, lanes], _Ctx(TERNARY, track, tensor))
 
-    @staticmethod
-    def _ternary_buffers(track: BucketTrack, like: torch.Tensor) -> dict:
+    def _ternary_buffers(self, track: BucketTrack, like: torch.Tensor) -> dict:
         """Per-bucket work buffers, allocated once per frozen support (fresh allocations of tens of MB cost
-        more in page faults than the arithmetic done in them)."""
+        more in page faults than the arithmetic done in them). ``codes`` and ``prob`` are as long as the
+        lanes' fields: codes are packed in place (zero padding), prob receives every unpacked field."""
         buffers = track.buffers
         if "values" not in buffers:
             k, device = track.support.kept, like.device
-            for name in ("values", "prob", "draws"):
-                buffers[name] = torch.empty(k, dtype=torch.float32, device=device)
+            bits = bitpack.lane_bits(self.world_size)
+            fields = bitpack.packed_words(k, bits) * bitpack.fields_per_word(bits)
+            buffers["values"] = torch.empty(k, dtype=torch.float32, device=device)
+            buffers["draws"] = torch.empty(k, dtype=torch.float32, device=device)
+            buffers["prob"] = torch.empty(fields, dtype=torch.float32, device=device)
             buffers["hit"] = torch.empty(k, dtype=torch.bool, device=device)
-            buffers["codes"] = torch.empty(k, dtype=torch.int8, device=device)
+            buffers["codes"] = torch.zeros(fields, dtype=torch.uint8, device=device)
         return buffers
 
     # The ternary path in its parts (``gcomp.bench.codec`` times each): gather_values, local_scales, then,
@@ -109,16 +112,17 @@ class PacTrainCompressor(Compressor):
         values = buffers["values"]
         if tensor.dtype == torch.float32:
             support.gather(tensor, values)
-        else:
-            values.copy_(support.gather(tensor, tensor.new_empty(support.kept)))
+        else:  # a 16-bit bucket: gather into the draws buffer's storage (free until the draws), then widen
+            values.copy_(support.gather(tensor, self._narrow(buffers["draws"], tensor.dtype, support.kept)))
         if self.error_feedback and "residual" in buffers:
             values += buffers["residual"]
-        torch.abs(values, out=buffers["prob"])
+        torch.abs(values, out=buffers["prob"][:values.numel()])
         return values
 
     def local_scales(self, track: BucketTrack) -> torch.Tensor:
         """max |value| per parameter segment (capped at clip * std with clipping), then two flag slots."""
         values, magnitudes, segments = track.buffers["values"], track.buffers["prob"], track.support.segments
+        magnitudes = magnitudes[:values.numel()]
         scales = torch.zeros(len(segments) + 2, dtype=torch.float32, device=values.device)
         start = 0
         for j, n in enumerate(segments):  # a loop over parameters, not entries
@@ -139,22 +143,26 @@ class PacTrainCompressor(Compressor):
         payload.tensors[1] = bitpack.pack(codes, bitpack.lane_bits(self.world_size))
 
     def draw_codes(self, track: BucketTrack, scales: torch.Tensor) -> torch.Tensor:
-        """t + 1 in {0, 1, 2} per kept entry, with E[scale * t] = value; error feedback keeps the rest."""
-        buffers, segments = track.buffers, track.support.segments
-        values, prob, draws, hit, codes = (buffers[k] for k in ("values", "prob", "draws", "hit", "codes"))
+        """t + 1 in {0, 1, 2} per kept entry, with E[scale * t] = value, then the zero padding of the lanes'
+        last word (uint8: t = -1 is (0 * 2 - 1) mod 256 = 255, and 255 + 1 wraps to 0). Error feedback keeps
+        what the codes do not carry."""
+        buffers, segments, k = track.buffers, track.support.segments, track.support.kept
+        values, draws, hit = buffers["values"], buffers["draws"], buffers["hit"]
+        prob, codes = buffers["prob"][:k], buffers["codes"][:k]  # past k: the lanes' zero padding
         self._per_segment(prob, scales, segments, torch.Tensor.div_)  # |value| / shared scale, in [0, 1]
         if self.clip > 0:
             prob.clamp_(max=1.0)
         draws.uniform_(generator=self._generator(values.device))
         torch.lt(draws, prob, out=hit)  # a NaN probability never hits: t = 0
-        torch.gt(values, 0, out=codes)  # codes = t + 1 = (2 * (value > 0) - 1) * hit + 1, in {0, 1, 2}
-        codes.mul_(2).sub_(1).mul_(hit).add_(1)
+        # codes = t + 1 = (2 * (value > 0) - 1) * hit + 1, in {0, 1, 2}; the bool views avoid temporaries
+        torch.gt(values, 0, out=codes.view(torch.bool))
+        codes.mul_(2).sub_(1).mul_(hit.view(torch.uint8)).add_(1)
         if self.error_feedback:
-            sent = torch.sub(codes, 1, out=prob)  # prob is free again: reuse it for what was sent
+            sent = prob.copy_(codes).sub_(1)  # prob is free again: reuse it for what was sent
             self._per_segment(sent, scales, segments, torch.Tensor.mul_)
             residual = torch.sub(values, sent, out=buffers.get("residual"))
             buffers["residual"] = residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        return codes
+        return buffers["codes"]
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device.type == "cpu":
@@ -185,13 +193,22 @@ class PacTrainCompressor(Compressor):
             return support.scatter(tensors[0], ctx.bucket)
         scales, lanes = tensors
         MaskTracker.receive_changed(track, scales[-2:-1])
-        return support.scatter(self.decode_values(track, scales, lanes).to(ctx.bucket.dtype), ctx.bucket)
+        values, dtype = self.decode_values(track, scales, lanes), ctx.bucket.dtype
+        if dtype != torch.float32:
+            values = self._narrow(track.buffers["draws"], dtype, support.kept).copy_(values)
+        return support.scatter(values, ctx.bucket)
+
+    @staticmethod
+    def _narrow(buffer: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """The first ``n`` entries of an fp32 buffer's storage seen as a 16-bit ``dtype``."""
+        return buffer.view(dtype)[:n]
 
     def decode_values(self, track: BucketTrack, scales: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
         """The summed lanes as fp32 values: shared scale * (field - N), per parameter segment."""
         support = track.support
-        fields = bitpack.unpack(lanes, support.kept, bitpack.lane_bits(self.world_size), dtype=torch.int32)
-        values = track.buffers["prob"].copy_(fields).sub_(self.world_size)
+        prob = track.buffers["prob"]  # as long as the lanes' fields, free again after the draws
+        values = bitpack.unpack(lanes, support.kept, bitpack.lane_bits(self.world_size), out=prob)
+        values.sub_(self.world_size)
         # A non-finite gradient on any rank: every scale becomes NaN, and so every decoded entry.
         shared = scales[:-2] + torch.where(scales[-1] > 0, torch.nan, 0.0)
         self._per_segment(values, shared, support.segments, torch.Tensor.mul_)

@@ -28,7 +28,7 @@ def test_a_small_run_gives_complete_rows_and_mask_pack_equals_the_naive_referenc
     # The profiler's allocation events: naive allocates its packed vector; mask-pack allocates nothing.
     assert row["mem_naive_frac"] >= row["kept"] / row["numel"]
     assert row["mem_maskpack_frac"] < 0.01
-    assert row["mem_ternary_frac"] > row["mem_naive_frac"]
+    assert 0 <= row["mem_ternary_frac"] <= 1.0  # the issue: no per-step allocation larger than the bucket
     table = markdown(rows)
     assert table.count("| size MB |") == 2 and "| 0.25 |" in table
 
