@@ -80,7 +80,7 @@ class PacTrainCompressor(Compressor):
             support.gather(tensor, packed)
             packed[-1] = float(changed_here)
             return Payload([packed], _Ctx(PACKED, track, tensor))
-        values = self.gather_values(track, tensor)
+        self.gather_values(track, tensor)
         scales = self.local_scales(track)
         scales[-2] = float(changed_here)
         bits = bitpack.lane_bits(self.world_size)
