@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gcomp
 from gcomp.pruning import kept_fraction, prune
-from train import load_data, method_params  # examples/train.py: the digits split and --param parsing
+from train import epoch_batches, load_data, method_params  # examples/train.py: digits, shards, --param
 
 CHECKPOINT_FORMAT = "gcomp-example-pactrain/1"
 
@@ -176,16 +176,13 @@ def finetune(name: str, ternary: bool | None, args, state_dict: dict, train, tes
     steps_per_epoch = -(-per_rank // args.batch)
     total_steps = args.epochs * steps_per_epoch if not args.steps else min(args.steps, args.epochs * steps_per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine(total_steps))
-    shard = torch.arange(rank, per_rank * world, world)  # disjoint: rank r takes examples r, r+N, r+2N, ...
     log_every = max(1, args.epochs // 5)
     step, frozen_at, before_freeze, loss_sum = 0, None, (0, 0), torch.zeros(2)
     start = time.perf_counter()
     for epoch in range(args.epochs):
-        order = shard[torch.randperm(per_rank, generator=torch.Generator().manual_seed(args.seed + epoch))]
         loss_sum.zero_()
-        for i in range(0, per_rank, args.batch):
-            idx = order[i:i + args.batch]
-            loss = nn.functional.cross_entropy(ddp(train[0][idx]), train[1][idx])
+        for x, y in epoch_batches(train, rank, world, args.batch, args.seed, epoch):
+            loss = nn.functional.cross_entropy(ddp(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -110,6 +110,17 @@ def load_data(seed: int):
     return (x[:cut], y[:cut]), (x[cut:], y[cut:])
 
 
+def epoch_batches(train, rank: int, world: int, batch: int, seed: int, epoch: int):
+    """This rank's batches of one epoch: a disjoint shard (examples r, r+N, r+2N, ...; equal sizes, so every
+    rank takes the same number of steps) in an order seeded by the epoch."""
+    per_rank = len(train[1]) // world
+    shard = torch.arange(rank, per_rank * world, world)
+    order = shard[torch.randperm(per_rank, generator=torch.Generator().manual_seed(seed + epoch))]
+    for i in range(0, per_rank, batch):
+        idx = order[i:i + batch]
+        yield train[0][idx], train[1][idx]
+
+
 def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
 
@@ -121,15 +132,11 @@ def train_one(name: str, params: dict, args, train, test, log) -> dict:
     model = DistributedDataParallel(make_model())
     state = gcomp.install(model, name, **params)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    per_rank = len(train[1]) // world  # equal shards: every rank takes the same number of steps
-    shard = torch.arange(rank, per_rank * world, world)  # disjoint: rank r takes examples r, r+N, r+2N, ...
     step, loss_sum = 0, torch.zeros(2)
     for epoch in range(args.epochs):
-        order = shard[torch.randperm(per_rank, generator=torch.Generator().manual_seed(args.seed + epoch))]
         loss_sum.zero_()
-        for i in range(0, per_rank, args.batch):
-            idx = order[i:i + args.batch]
-            loss = nn.functional.cross_entropy(model(train[0][idx]), train[1][idx])
+        for x, y in epoch_batches(train, rank, world, args.batch, args.seed, epoch):
+            loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
