@@ -38,13 +38,16 @@ class OneBitCompressor(Compressor):
         ids, parts = self._segment_ids(bucket, n, tensor.device)
         x = tensor.to(torch.float32)
         negative = ~(x >= 0)  # NaN with the negatives, as pack_signs sends it
-        zeros = x.new_zeros(parts)
-        neg_sum = zeros.index_add(0, ids, torch.where(negative, x, 0.0))
-        pos_sum = zeros.index_add(0, ids, torch.where(negative, 0.0, x))
-        neg_count = zeros.index_add(0, ids, negative.to(torch.float32))
-        pos_count = torch.bincount(ids, minlength=parts).to(torch.float32) - neg_count
+        # Sums in float64, rounded once to fp32: an fp32 running sum would drift with the bucket's size and
+        # order (DDP's rebuilt buckets order parameters differently, and a resumed run must decode alike).
+        wide = tensor.to(torch.float64)
+        zeros = wide.new_zeros(parts)
+        neg_sum = zeros.index_add(0, ids, torch.where(negative, wide, 0.0))
+        pos_sum = zeros.index_add(0, ids, torch.where(negative, 0.0, wide))
+        neg_count = zeros.index_add(0, ids, negative.to(torch.float64))
+        pos_count = torch.bincount(ids, minlength=parts).to(torch.float64) - neg_count
         # flat (negatives' means, then positives'): gloo all-gathers 1-D tensors only
-        means = torch.cat([neg_sum / neg_count.clamp(min=1), pos_sum / pos_count.clamp(min=1)])
+        means = torch.cat([neg_sum / neg_count.clamp(min=1), pos_sum / pos_count.clamp(min=1)]).to(torch.float32)
         return Payload([pack_signs(x), means], ctx=(n, tensor.dtype, ids))
 
     @staticmethod
