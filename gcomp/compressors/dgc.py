@@ -1,0 +1,215 @@
+"""``dgc``: Deep Gradient Compression (Lin, Han, Mao, Wang, Dally, ICLR 2018).
+
+Momentum correction, local gradient clipping, momentum-factor masking, a warm-up schedule of the density and
+a sampled threshold estimate, all vectorised. The momentum lives here: train with plain SGD (momentum 0).
+"""
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import torch
+import torch.distributed as dist
+
+from gcomp.bucket import BucketInfo
+from gcomp.collectives import AllgatherCommunicator
+from gcomp.core import ALLGATHER, Compressor, Method, Payload
+from gcomp.memory import NoMemory
+from gcomp.params import Range
+from gcomp.registry import register
+
+_INT32_LIMIT = 2**31 - 1
+_BUFFERS = ("momentum", "velocity")
+_SAMPLES_PER_SELECTED = 8  # at least 8 / density samples: the threshold's rank among them is >= 16
+_TARGET, _CAP = 2, 4       # the sampled threshold aims at 2k candidates and keeps at most 4k
+
+
+class _LayoutState:
+    """The momentum and velocity buffers of each bucket layout, moved parameter by parameter when DDP changes
+    its layout and checkpointed per parameter name (as ``ResidualMemory`` does with residuals).
+
+    Each buffer has one scratch entry past the bucket's end, always zero: the selection's empty slots point
+    there, so clearing the sent entries never touches an entry that was not sent."""
+
+    def __init__(self):
+        self.live: dict[str, tuple[BucketInfo, dict[str, torch.Tensor]]] = {}
+        self.by_param: dict[str, dict[str, torch.Tensor]] = {b: {} for b in _BUFFERS}
+
+    def get(self, bucket: BucketInfo, like: torch.Tensor) -> dict[str, torch.Tensor]:
+        entry = self.live.get(bucket.key)
+        if entry is None:
+            self._explode(set(bucket.names))
+            buffers = {}
+            for b in _BUFFERS:
+                t = like.new_zeros(like.numel() + 1)
+                for name, offset, numel in bucket.segments():
+                    piece = self.by_param[b].pop(name, None)
+                    if piece is not None:
+                        if piece.numel() != numel:
+                            raise ValueError(f"dgc: {b} of parameter '{name}' has {piece.numel()} elements, "
+                                             f"the bucket holds {numel}")
+                        t[offset:offset + numel].copy_(piece.reshape(-1))
+                buffers[b] = t
+            entry = self.live[bucket.key] = (bucket, buffers)
+        return entry[1]
+
+    def _explode(self, names: set[str]) -> None:
+        for key in [k for k, (layout, _) in self.live.items() if names.intersection(layout.names)]:
+            layout, buffers = self.live.pop(key)
+            for b in _BUFFERS:
+                for name, offset, numel in layout.segments():
+                    self.by_param[b][name] = buffers[b][offset:offset + numel]
+
+    def state_dict(self) -> dict:
+        out = {b: dict(self.by_param[b]) for b in _BUFFERS}
+        for layout, buffers in self.live.values():
+            for b in _BUFFERS:
+                for name, offset, numel in layout.segments():
+                    out[b][name] = buffers[b][offset:offset + numel].clone()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        self.live.clear()
+        self.by_param = {b: {n: t.clone() for n, t in state.get(b, {}).items()} for b in _BUFFERS}
+
+
+class DGCCompressor(Compressor):
+    """Sends a fixed ``k = ceil(density * n)`` entries of the momentum-corrected velocity per bucket: k values
+    in the bucket's dtype and k int32 positions (int64 past 2**31 elements), by all-gather; the same k on
+    every rank, so no sizes are exchanged. Entries several ranks chose are summed.
+
+    Per bucket and step: clip each parameter's local gradient to ``clip_norm / sqrt(world)`` (if set); momentum
+    correction ``u = m u + g; v = v + u`` (Nesterov: ``u = m (u + g); v = v + u + g``); select on |v|;
+    momentum-factor masking ``u[sent] = 0`` and ``v[sent] = 0``. Above ``8 / density`` entries the selection
+    thresholds |v| at a value estimated from a strided sample (aiming at 2k nonzero candidates), keeps at most 4k
+    candidates and takes the top k among them exactly, which is the exact top k whenever between k and 4k
+    pass; if fewer pass (rare, or a mostly-zero bucket), the empty slots carry a zero value at position 0.
+    """
+
+    collective = ALLGATHER
+    stateful = True
+
+    def __init__(self, ratio: float, momentum: float, nesterov: bool, masking: bool, clip_norm: float,
+                 warmup_steps: int, warmup_stages: int, sample_ratio: float, seed: int):
+        self.ratio, self.momentum, self.nesterov, self.masking = ratio, momentum, nesterov, masking
+        self.clip_norm, self.sample_ratio, self.seed = clip_norm, sample_ratio, seed
+        self.warmup_steps, self.warmup_stages = warmup_steps, warmup_stages
+        self.world_size, self.rank = 1, 0
+        self.steps = 0  # compressing steps begun (counted at bucket 0)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.state = _LayoutState()
+        self._segment_ids: dict[str, torch.Tensor] = {}
+
+    def bind(self, model, group, stats) -> None:
+        if dist.is_available() and dist.is_initialized():
+            self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.generator.manual_seed(self.seed * 1_000_003 + self.rank)  # independent samples per rank
+
+    def density(self, step: int) -> float:
+        """Warm-up: ``warmup_stages`` equal stages over ``warmup_steps``, density ``c ** (stage + 1)`` with
+        ``c = ratio ** (1 / (stages + 1))`` (the paper's 25%, 6.25%, 1.56%, 0.39% for 0.1% and 4 stages)."""
+        if step >= self.warmup_steps:
+            return self.ratio
+        stage = step * self.warmup_stages // self.warmup_steps
+        return max(self.ratio ** ((stage + 1) / (self.warmup_stages + 1)), self.ratio)
+
+    def compress(self, tensor, bucket):
+        if bucket.index == 0:
+            self.steps += 1
+        n = tensor.numel()
+        # the slack keeps float noise from adding an entry (3000 * 0.01 is 30.000000000000004)
+        k = max(1, min(n, math.ceil(n * self.density(max(self.steps - 1, 0)) - 1e-6)))
+        grad = self._clip(tensor, bucket) if self.clip_norm > 0 else tensor
+        buffers = self.state.get(bucket, tensor)
+        u_ext, v_ext = buffers["momentum"], buffers["velocity"]
+        u, v = u_ext[:n], v_ext[:n]
+        if self.nesterov:
+            u.add_(grad).mul_(self.momentum)
+            v.add_(u).add_(grad)
+        else:
+            u.mul_(self.momentum).add_(grad)
+            v.add_(u)
+        index = self._select(v, k)  # n for an empty slot: the scratch entry, zero
+        values = v_ext[index]
+        v_ext.index_fill_(0, index, 0)
+        if self.masking:
+            u_ext.index_fill_(0, index, 0)
+        for t in (u, v):  # a non-finite entry left behind would poison every later step
+            torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
+        index = torch.where(index < n, index, 0)  # an empty slot adds a zero at position 0
+        index = index.to(torch.int32) if n <= _INT32_LIMIT else index
+        return Payload([values, index], ctx=(n, tensor.dtype))
+
+    def _clip(self, tensor: torch.Tensor, bucket: BucketInfo) -> torch.Tensor:
+        """Each parameter's local gradient (``world * tensor``) clipped to norm ``clip_norm / sqrt(world)``."""
+        ids = self._segment_ids.get(bucket.key)
+        if ids is None or ids.device != tensor.device:
+            ids = torch.repeat_interleave(torch.arange(len(bucket.numels), device=tensor.device),
+                                          torch.tensor(bucket.numels, device=tensor.device))
+            self._segment_ids[bucket.key] = ids
+        squares = torch.zeros(len(bucket.numels), dtype=torch.float64 if tensor.dtype == torch.float64
+                              else torch.float32, device=tensor.device)
+        squares.index_add_(0, ids, tensor.to(squares.dtype).square())
+        limit = self.clip_norm / self.world_size ** 1.5  # on the bucket's g / world
+        factor = (limit / squares.sqrt()).clamp_(max=1.0)  # a zero norm gives inf, clamped to 1
+        return tensor * factor[ids].to(tensor.dtype)
+
+    def _select(self, v: torch.Tensor, k: int) -> torch.Tensor:
+        """``k`` positions (int64) of large |v|; ``n`` marks an empty slot (fewer than k candidates)."""
+        n = v.numel()
+        scores = torch.nan_to_num(v.abs(), nan=float("inf"))  # NaN ranks above every finite magnitude
+        wanted = max(math.ceil(n * self.sample_ratio), math.ceil(_SAMPLES_PER_SELECTED * n / k))
+        if 2 * wanted >= n:
+            return torch.topk(scores, k, sorted=False).indices
+        stride = n // wanted
+        m = n // stride
+        start = torch.randint(0, stride, (1,), generator=self.generator).to(v.device, non_blocking=True)
+        samples = scores[start + torch.arange(m, device=v.device) * stride]
+        rank = min(m, math.ceil(_TARGET * m * k / n))
+        threshold = torch.topk(samples, rank, sorted=False).values.min()
+        width = min(n, _CAP * k)
+        # zeros are never candidates: sending one changes nothing, and a mostly-zero bucket would otherwise
+        # fill the candidate list with the first zeros in index order
+        passing = (scores >= threshold).logical_and_(scores > 0)
+        candidates = torch.nonzero_static(passing, size=width, fill_value=n).squeeze(1)
+        ranked = torch.where(candidates < n, scores[candidates.clamp(max=n - 1)], -1)
+        return candidates[torch.topk(ranked, k, sorted=False).indices]
+
+    def decompress(self, tensors, ctx):
+        values, index = tensors
+        n, dtype = ctx
+        return torch.zeros(n, dtype=dtype, device=values.device).index_add_(0, index, values)
+
+    def aggregate(self, gathered, ctx):
+        values, index = gathered
+        return self.decompress([values.reshape(-1), index.reshape(-1)], ctx)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "steps": self.steps, **self.state.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        unknown = set(state) - {"generator", "steps", *_BUFFERS}
+        if unknown:
+            raise ValueError(f"DGCCompressor: unexpected keys {sorted(unknown)}")
+        self.generator.set_state(state["generator"])
+        self.steps = state["steps"]
+        self.state.load_state_dict(state)
+
+
+@register("dgc", paper="Lin, Han, Mao, Wang, Dally, ICLR 2018 (Deep Gradient Compression)")
+def dgc(
+    ratio: Annotated[float, Range(0, 1, low_open=True), "density after warm-up: fraction of each bucket sent"] = 0.001,
+    momentum: Annotated[float, Range(0, 1, high_open=True), "momentum of the correction (use SGD without momentum)"]
+    = 0.9,
+    nesterov: Annotated[bool, "Nesterov momentum correction"] = False,
+    masking: Annotated[bool, "momentum-factor masking: clear the momentum of sent entries"] = True,
+    clip_norm: Annotated[float, Range(0, None), "local clipping: max norm per parameter of the summed gradient, "
+                                                "each rank clips at clip_norm / sqrt(world) (0: off)"] = 0.0,
+    warmup_steps: Annotated[int, Range(0, None), "compressing steps of density warm-up (0: none)"] = 0,
+    warmup_stages: Annotated[int, Range(1, None), "warm-up stages, density falling exponentially to ratio"] = 4,
+    sample_ratio: Annotated[float, Range(0, 1, low_open=True), "fraction of |v| sampled for the threshold"] = 0.01,
+    seed: Annotated[int, Range(0, None), "seed of the sample offsets (each rank offsets it by its rank)"] = 0,
+) -> Method:
+    """Deep Gradient Compression: momentum-corrected top-k by sampled threshold, masking, warm-up, all-gather."""
+    return Method(DGCCompressor(ratio, momentum, nesterov, masking, clip_norm, warmup_steps, warmup_stages,
+                                sample_ratio, seed), NoMemory(), AllgatherCommunicator())

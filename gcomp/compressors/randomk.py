@@ -1,0 +1,62 @@
+"""``randomk``: k entries chosen at random, the same on every rank, so their values add up by all-reduce."""
+from __future__ import annotations
+
+from typing import Annotated
+
+import torch
+
+from gcomp.collectives import AllreduceCommunicator
+from gcomp.core import ALLREDUCE, Compressor, Method, Payload
+from gcomp.memory import ResidualMemory
+from gcomp.params import Range
+from gcomp.registry import register
+
+
+class RandomKCompressor(Compressor):
+    """Sends the values of ``k = max(1, int(ratio * n))`` distinct entries, in the bucket's dtype, plus one
+    non-finite flag entry, by SUM all-reduce: k + 1 elements, no indices.
+
+    The positions come from a generator seeded alike on every rank and advanced by every compressed bucket,
+    so all ranks pick the same k entries each step and the payloads add up element-wise. The flag is 0, or
+    NaN when the rank's bucket holds a NaN or an infinity; it is added to every sent entry on decode, so a
+    non-finite gradient on any rank surfaces on every rank even when its entry was not drawn.
+    """
+
+    collective = ALLREDUCE
+
+    def __init__(self, ratio: float, seed: int = 0):
+        self.ratio = ratio
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def compress(self, tensor, bucket):
+        n = tensor.numel()
+        k = max(1, int(n * self.ratio))
+        index = torch.randperm(n, generator=self.generator)[:k].to(tensor.device, non_blocking=True)
+        wire = tensor.new_empty(k + 1)
+        torch.index_select(tensor, 0, index, out=wire[:k])
+        finite = torch.isfinite(tensor).all()
+        wire[k] = torch.where(finite, 0.0, float("nan"))
+        return Payload([wire], ctx=(n, index))
+
+    def decompress(self, tensors, ctx):
+        wire, = tensors
+        n, index = ctx
+        k = index.numel()
+        values = wire[:k] + wire[k]  # the flag: 0, or NaN if any rank's bucket was not finite
+        return wire.new_zeros(n).index_copy_(0, index, values)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        unknown = set(state) - {"generator"}
+        if unknown:
+            raise ValueError(f"RandomKCompressor: unexpected keys {sorted(unknown)}")
+        self.generator.set_state(state["generator"])
+
+
+@register("randomk", paper="Stich, Cordonnier, Jaggi 2018 (Sparsified SGD with memory: random-k)")
+def randomk(ratio: Annotated[float, Range(0, 1, low_open=True), "fraction of the bucket's entries sent"] = 0.01,
+            seed: Annotated[int, Range(0, None), "seed of the positions, the same on every rank"] = 0) -> Method:
+    """Random-k sparsification with error feedback: shared random positions, values alone by all-reduce."""
+    return Method(RandomKCompressor(ratio, seed), ResidualMemory(), AllreduceCommunicator())

@@ -1,0 +1,81 @@
+"""``threshold``: every entry whose magnitude passes a fixed threshold, with error feedback, by sized all-gather."""
+from __future__ import annotations
+
+from typing import Annotated
+
+import torch
+import torch.distributed as dist
+
+from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator
+from gcomp.core import ALLGATHER, Compressor, Method, Payload
+from gcomp.memory import ResidualMemory
+from gcomp.params import Range
+from gcomp.registry import register
+
+_INT32_LIMIT = 2**31 - 1
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _floor_to(value: float, dtype: torch.dtype) -> float:
+    """The largest finite ``dtype`` value <= ``value`` (>= 0): comparing a ``dtype`` tensor with it is exact, where
+    comparing with ``value`` itself would round ``value`` to the nearest ``dtype`` value first, up or down."""
+    exact = torch.tensor(value, dtype=torch.float64)
+    rounded = exact.to(dtype).clamp(max=torch.finfo(dtype).max)
+    if rounded.double() > exact:  # positive floats: the bit pattern minus one is the next value down
+        bits = _BITS[rounded.element_size()]
+        rounded = (rounded.view(bits) - 1).view(dtype)
+    return float(rounded)
+
+
+class ThresholdCompressor(Compressor):
+    """Sends the entries whose local magnitude exceeds ``threshold``: their values in the bucket's dtype and
+    int32 positions (int64 past 2**31 elements), as many as there are, so the count differs per rank and step.
+    On the wire (``SizedAllgatherCommunicator``): one int64 size per rank, then values and positions
+    zero-padded to the largest count, by all-gather. Entries several ranks chose are summed.
+
+    The threshold is on the local gradient: the hook hands over ``g / world``, so that is compared with
+    ``threshold / world``. NaN and infinities always pass.
+    """
+
+    collective = ALLGATHER
+    stat_keys = ("padding_bytes",)
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+        self.world_size = 1
+        self.stats: dict = {}
+        self._floors: dict[torch.dtype, float] = {}
+
+    def bind(self, model, group, stats) -> None:
+        self.stats = stats
+        self._floors.clear()
+        if dist.is_available() and dist.is_initialized():
+            self.world_size = dist.get_world_size(group)
+
+    def compress(self, tensor, bucket):
+        n = tensor.numel()
+        # not (|x| <= t) rather than |x| > t: NaN fails every comparison, and must be sent
+        floor = self._floors.get(tensor.dtype)
+        if floor is None:
+            floor = self._floors[tensor.dtype] = _floor_to(self.threshold / self.world_size, tensor.dtype)
+        keep = ~(tensor.abs() <= floor)
+        index = keep.nonzero().squeeze(1)  # the count decides the payload's size: a host sync is inherent
+        values = tensor[index]
+        index = index.to(torch.int32) if n <= _INT32_LIMIT else index
+        return Payload([values, index], ctx=(n, tensor.dtype))
+
+    def decompress(self, tensors, ctx):
+        values, index = tensors
+        n, dtype = ctx
+        return torch.zeros(n, dtype=dtype, device=values.device).index_add_(0, index, values)
+
+    def aggregate(self, gathered, ctx):
+        values, index = gathered  # zero padding adds 0 at position 0
+        return self.decompress([values.reshape(-1), index.reshape(-1)], ctx)
+
+
+@register("threshold", paper="Strom 2015 (Scalable distributed DNN training using commodity GPU cloud computing)")
+def threshold(threshold: Annotated[float, Range(0, None), "send entries of the local gradient with |g| above this"]
+              = 0.01) -> Method:
+    """Threshold sparsification with error feedback: a variable count per rank, sizes exchanged, then all-gather."""
+    return Method(ThresholdCompressor(threshold), ResidualMemory(), SizedAllgatherCommunicator())
