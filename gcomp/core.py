@@ -69,6 +69,10 @@ class Compressor(_Checkpointed, ABC):
     collective: ClassVar[str] = ALLREDUCE
     lossless: ClassVar[bool] = False
     stat_keys: ClassVar[tuple[str, ...]] = ()  # extra counters this codec adds to ``HookState.stats``
+    # True when the result is the sum over ranks of each rank's payload decoded on its own. False where it
+    # depends on all payloads jointly (PowerSGD's shared basis, a majority vote); the contract suite then
+    # checks those methods against their own tests instead of that sum.
+    decodes_alone: ClassVar[bool] = True
 
     def bind(self, model: torch.nn.Module | None, group: dist.ProcessGroup | None, stats: dict) -> None:
         """Called once when the hook is set up, with the DDP model's module, the process group and the hook's

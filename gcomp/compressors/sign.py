@@ -9,11 +9,10 @@ Scaling (why the update is a mean gradient): the hook divides each bucket by the
 compressing, so rank r's scale ``a_r = mean|g_r| / N`` and the decoded payload ``a_r * sign(g_r)`` has the size of
 rank r's share of the mean gradient. Two aggregations, the same on every rank:
 
-- ``mean`` (default): ``sum_r a_r * sign(g_r)``, the sum of the decoded payloads, which is the contract every
-  gcomp method keeps (the result is the mean over ranks of what the ranks sent);
-- ``majority`` (Bernstein et al. 2018, signSGD with majority vote): ``(sum_r a_r) * sign(sum_r sign(g_r))``,
-  ties (an even split) giving 0. The vote is not a sum of per-rank decodes, so it is opt-in: the contract
-  suite's mean-of-payloads check cannot hold for it on 3 or more ranks.
+- ``majority`` (default; Bernstein et al. 2018, signSGD with majority vote):
+  ``(sum_r a_r) * sign(sum_r sign(g_r))``, ties (an even split) giving 0. The vote is not a sum of per-rank
+  decodes (``decodes_alone`` is false), so the contract suite leaves its value to this module's tests;
+- ``mean``: ``sum_r a_r * sign(g_r)``, the sum of the decoded payloads (the mean over ranks of what they sent).
 """
 from __future__ import annotations
 
@@ -57,6 +56,7 @@ class ScaledSignCompressor(Compressor):
         if aggregate not in AGGREGATES:
             raise ValueError(f"aggregate must be one of {AGGREGATES}; got {aggregate!r}")
         self.aggregate_by = aggregate
+        self.decodes_alone = aggregate == "mean"
 
     def _encode(self, x: torch.Tensor, dtype: torch.dtype) -> Payload:
         # Summed in float64, so the fp32 scale does not depend on where DDP put each parameter in the bucket
@@ -134,14 +134,14 @@ _AGGREGATE_HELP = "how ranks' signs combine: 'mean' of the scaled signs, or 'maj
 
 @register("signsgd", paper="Bernstein et al. 2018, signSGD: compressed optimisation for non-convex problems "
                            "(majority vote: signSGD with majority vote is communication efficient and fault tolerant)")
-def signsgd(aggregate: Annotated[str, OneOf(*AGGREGATES), _AGGREGATE_HELP] = "mean") -> Method:
+def signsgd(aggregate: Annotated[str, OneOf(*AGGREGATES), _AGGREGATE_HELP] = "majority") -> Method:
     """signSGD: 1 bit per entry plus one fp32 scale per rank by all-gather; mean of scaled signs or majority vote."""
     return Method(ScaledSignCompressor(aggregate), NoMemory(), AllgatherCommunicator())
 
 
 @register("signum", paper="Bernstein et al. 2018, signSGD (Signum: sign of the momentum)")
 def signum(momentum: Annotated[float, Range(0, 1, high_open=True), "momentum of the signed running average"] = 0.9,
-           aggregate: Annotated[str, OneOf(*AGGREGATES), _AGGREGATE_HELP] = "mean") -> Method:
+           aggregate: Annotated[str, OneOf(*AGGREGATES), _AGGREGATE_HELP] = "majority") -> Method:
     """Signum: the sign of a per-bucket momentum, 1 bit per entry plus one fp32 scale per rank by all-gather."""
     return Method(SignumCompressor(momentum, aggregate), NoMemory(), AllgatherCommunicator())
 

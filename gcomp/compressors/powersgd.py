@@ -1,0 +1,279 @@
+"""``powersgd``: rank-r PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019) with error feedback and warm start.
+
+Per matrix-shaped gradient M (a parameter of shape (n, ...) seen as n x m), with Q the warm-start query:
+P = M Q -> SUM all-reduce (waited) -> P^ = orthogonalise(P) -> Q = M^T P^ -> SUM all-reduce -> P^ Q^T.
+The hook has already divided the bucket by the world size, so the Q sum is the mean and P^ Q^T approximates the
+mean gradient. Vectors, and matrices that would not shrink by ``min_compression_rate``, travel dense inside the
+P all-reduce. Parameter shapes come from the model the hook binds; a codec used without a model (a bare bucket)
+sends every segment dense, which makes it an exact, homomorphic codec there.
+
+Each round is a sum on the wire, but the result P^ (sum_i M_i^T P^)^T is not a sum of per-rank decodings: P^
+comes from every rank's P. A rank's payload decoded alone (``decompress`` before the exchange) is its own
+P_i^ P_i^T M_i, which is all a pure local codec can say about it.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import torch
+import torch.distributed as dist
+
+from gcomp.core import ALLREDUCE, Communicator, Compressor, Method, Payload
+from gcomp.memory import NoMemory
+from gcomp.params import Range
+from gcomp.registry import register
+
+ORTHOGONALISATION_EPS = 1e-8
+
+
+def orthogonalise(matrix: torch.Tensor, eps: float = ORTHOGONALISATION_EPS) -> torch.Tensor:
+    """Orthonormal columns spanning those of an (n, r) matrix, written in place; deterministic, so every rank
+    turns the same summed P into the same P^.
+
+    Rank 1: a normalisation (``eps`` keeps a zero column at zero). Rank > 1: Householder QR, which stays
+    orthonormal when P is rank-deficient (a gradient of lower rank than r, or r >= min(n, m)); Gram-Schmidt
+    would normalise rounding noise into columns that are not orthogonal, and P^ P^T M would no longer be a
+    projection (PyTorch's hook uses Gram-Schmidt up to rank 2).
+    """
+    if matrix.shape[1] == 1:
+        return matrix.div_(torch.linalg.vector_norm(matrix) + eps)
+    return matrix.copy_(torch.linalg.qr(matrix).Q)
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    name: str
+    offset: int  # in the bucket
+    n: int
+    m: int
+    r: int
+    p_offset: int  # in the first round's buffer (after the dense entries)
+    q_offset: int  # in the Q buffer
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How one bucket layout is sent: dense segments first, then every compressed matrix's P."""
+
+    dense: tuple[tuple[int, int], ...]  # (offset in the bucket, numel)
+    dense_numel: int
+    matrices: tuple[_Matrix, ...]
+    p_numel: int
+    q_numel: int
+
+
+@dataclass
+class _Ctx:
+    plan: _Plan
+    numel: int
+    dtype: torch.dtype
+    compensated: list = field(default_factory=list)  # M (+ error) per matrix, in the compute dtype
+    exchanged: bool = False  # True once the P sum is orthogonalised in place and Q holds M^T P^
+
+
+class PowerSGDCompressor(Compressor):
+    """Rank-r PowerSGD: per compressed n x m matrix, P (n x r) in a first SUM all-reduce together with the dense
+    entries (vectors, small matrices), then Q (m x r) in a second SUM all-reduce; (n + m) r numbers instead of
+    n m, in fp32 (fp64 for an fp64 bucket).
+
+    Memory: per compressed parameter an error buffer (n x m) and the warm-start Q (m x r), both keyed by the
+    parameter's name, so they survive DDP's bucket rebuild and a checkpoint. The error is the part of this
+    rank's M the shared basis P^ did not carry, M - P^ (M^T P^)^T; summed over ranks it equals PyTorch's
+    (M - mean approximation), and the next step's sums (all PowerSGD's output depends on) are the same.
+    """
+
+    collective = ALLREDUCE
+    decodes_alone = False  # the result is P·(Σ Mᵀ P)ᵀ with P shared: not a sum of per-rank decodes
+    stateful = True
+
+    def __init__(self, rank: int = 1, min_compression_rate: float = 2.0, error_feedback: bool = True,
+                 warm_start: bool = True, seed: int = 0):
+        self.rank, self.min_compression_rate = rank, min_compression_rate
+        self.error_feedback, self.warm_start, self.seed = error_feedback, warm_start, seed
+        self.generator = torch.Generator().manual_seed(seed)  # fresh queries when warm_start is off
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._plans: dict[str, _Plan] = {}
+        self._queries: dict[str, torch.Tensor] = {}  # warm start: last step's mean Q per parameter
+        self._errors: dict[str, torch.Tensor] = {}
+        self._initial: dict[str, torch.Tensor] = {}  # first Q per parameter (derived from seed and name)
+
+    def bind(self, model, group, stats) -> None:
+        if model is not None:
+            self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+            self._plans.clear()
+
+    # --- layout ---------------------------------------------------------------------------------------------
+
+    def _plan(self, bucket) -> _Plan:
+        plan = self._plans.get(bucket.key)
+        if plan is None:
+            plan = self._plans[bucket.key] = self._make_plan(bucket)
+        return plan
+
+    def _make_plan(self, bucket) -> _Plan:
+        dense, matrices, dense_numel, p_numel, q_numel = [], [], 0, 0, 0
+        for name, offset, numel in bucket.segments():
+            shape = self.shapes.get(name)
+            if shape is not None and len(shape) >= 2 and numel > 0 and shape[0] * (numel // shape[0]) == numel:
+                n, m = shape[0], numel // shape[0]
+                r = min(n, m, self.rank)
+                if (n + m) * r * self.min_compression_rate < n * m:
+                    matrices.append((name, offset, n, m, r))
+                    continue
+            dense.append((offset, numel))
+            dense_numel += numel
+        placed = []
+        for name, offset, n, m, r in matrices:
+            placed.append(_Matrix(name, offset, n, m, r, dense_numel + p_numel, q_numel))
+            p_numel += n * r
+            q_numel += m * r
+        return _Plan(tuple(dense), dense_numel, tuple(placed), p_numel, q_numel)
+
+    # --- encode ---------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
+    def _first_query(self, mat: _Matrix) -> torch.Tensor:
+        """Gaussian (m x r) from a seed derived from ``seed`` and the parameter's name: the same on every rank,
+        whatever bucket the parameter lies in or the order buckets are first seen."""
+        q = self._initial.get(mat.name)
+        if q is None or q.shape != (mat.m, mat.r):
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(mat.name.encode()))
+            q = self._initial[mat.name] = torch.randn(mat.m, mat.r, generator=g, dtype=torch.float64)
+        return q
+
+    def _query(self, mat: _Matrix, like: torch.Tensor) -> torch.Tensor:
+        """The orthonormal query Q of this step (a new tensor)."""
+        if not self.warm_start:
+            q = torch.randn(mat.m, mat.r, generator=self.generator, dtype=torch.float64)
+            return orthogonalise(q.to(like))
+        first = self._first_query(mat).to(like)
+        q = self._queries.get(mat.name)
+        if q is None or q.shape != first.shape:
+            return orthogonalise(first)
+        q = q.to(like)
+        # A non-finite step, or a zero gradient, leaves Q useless (P = M Q would stay NaN or zero for good):
+        # restart from the first query then. A tensor condition, so no host synchronisation.
+        usable = torch.isfinite(q).all() & (q != 0).any()
+        return orthogonalise(torch.where(usable, q, first))
+
+    def compress(self, tensor, bucket):
+        plan = self._plan(bucket)
+        cdtype = self._compute_dtype(tensor.dtype)
+        round1 = torch.empty(plan.dense_numel + plan.p_numel, dtype=cdtype, device=tensor.device)
+        start = 0
+        for offset, numel in plan.dense:  # a loop over parameters, not entries
+            round1[start:start + numel].copy_(tensor[offset:offset + numel])
+            start += numel
+        ctx = _Ctx(plan, tensor.numel(), tensor.dtype)
+        if not plan.matrices:
+            return Payload([round1], ctx)
+        like = round1[:0]
+        for mat in plan.matrices:
+            matrix = tensor[mat.offset:mat.offset + mat.n * mat.m].view(mat.n, mat.m)
+            error = self._errors.get(mat.name) if self.error_feedback else None
+            if error is not None and error.shape == matrix.shape:
+                matrix = matrix.to(cdtype) + error
+            else:  # second_round overwrites M with the error: never the bucket itself
+                matrix = matrix.to(cdtype, copy=self.error_feedback)
+            p = round1[mat.p_offset:mat.p_offset + mat.n * mat.r].view(mat.n, mat.r)
+            torch.matmul(matrix, self._query(mat, like), out=p)
+            ctx.compensated.append(matrix)
+        q_buffer = torch.zeros(plan.q_numel, dtype=cdtype, device=tensor.device)
+        return Payload([round1, q_buffer], ctx)
+
+    def second_round(self, payload: Payload) -> None:
+        """With ``tensors[0]`` holding the summed P: orthogonalise it in place, fill ``tensors[1]`` with this rank's
+        Q = M^T P^ and keep the error M - P^ Q^T."""
+        round1, q_buffer = payload.tensors
+        ctx: _Ctx = payload.ctx
+        for mat, matrix in zip(ctx.plan.matrices, ctx.compensated):
+            p = orthogonalise(round1[mat.p_offset:mat.p_offset + mat.n * mat.r].view(mat.n, mat.r))
+            q = q_buffer[mat.q_offset:mat.q_offset + mat.m * mat.r].view(mat.m, mat.r)
+            torch.matmul(matrix.t(), p, out=q)
+            if self.error_feedback:
+                error = torch.sub(matrix, p @ q.t(), out=matrix)  # M is not needed any more
+                self._errors[mat.name] = error.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        ctx.compensated = []
+        ctx.exchanged = True
+
+    # --- decode ---------------------------------------------------------------------------------------------
+
+    def decompress(self, tensors, ctx: _Ctx):
+        """The summed payload after both rounds, or (never exchanged) this rank's own payload decoded alone:
+        P^ = orthogonalise(P), Q = M^T P^, P^ Q^T."""
+        plan = ctx.plan
+        round1 = tensors[0]
+        out = torch.empty(ctx.numel, dtype=round1.dtype, device=round1.device)
+        start = 0
+        for offset, numel in plan.dense:
+            out[offset:offset + numel].copy_(round1[start:start + numel])
+            start += numel
+        for i, mat in enumerate(plan.matrices):
+            p = round1[mat.p_offset:mat.p_offset + mat.n * mat.r].view(mat.n, mat.r)
+            if ctx.exchanged:
+                q = tensors[1][mat.q_offset:mat.q_offset + mat.m * mat.r].view(mat.m, mat.r)
+            else:
+                p = orthogonalise(p.clone())
+                q = ctx.compensated[i].t() @ p
+            torch.matmul(p, q.t(), out=out[mat.offset:mat.offset + mat.n * mat.m].view(mat.n, mat.m))
+        return out if out.dtype == ctx.dtype else out.to(ctx.dtype)
+
+    def finish(self, received: list[torch.Tensor], ctx: _Ctx) -> torch.Tensor:
+        """Decode after the exchange and keep each mean Q as the next step's warm start."""
+        if self.warm_start and ctx.exchanged:
+            for mat in ctx.plan.matrices:
+                self._queries[mat.name] = received[1][mat.q_offset:mat.q_offset + mat.m * mat.r].view(
+                    mat.m, mat.r).clone()
+        return self.decompress(received, ctx)
+
+    # --- checkpoint -------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "queries": dict(self._queries),
+                "errors": dict(self._errors)}
+
+    def load_state_dict(self, state: dict) -> None:
+        unknown = set(state) - {"generator", "queries", "errors"}
+        if unknown:
+            raise ValueError(f"PowerSGDCompressor: unexpected keys {sorted(unknown)}")
+        self.generator.set_state(state["generator"])
+        self._queries = {n: t.clone() for n, t in state["queries"].items()}
+        self._errors = {n: t.clone() for n, t in state["errors"].items()}
+
+
+class PowerSGDCommunicator(Communicator):
+    """Two chained SUM all-reduces: P with the dense entries, waited for in the hook itself (Q depends on the
+    summed P), then Q, asynchronously. A bucket without compressed matrices takes the first round only."""
+
+    collective = ALLREDUCE
+
+    def exchange(self, payload: Payload, compressor: PowerSGDCompressor, group) -> torch.futures.Future:
+        round1 = payload.tensors[0]
+        if len(payload.tensors) == 1:
+            return dist.all_reduce(round1, group=group, async_op=True).get_future()
+        dist.all_reduce(round1, group=group)
+        compressor.second_round(payload)
+        return dist.all_reduce(payload.tensors[1], group=group, async_op=True).get_future().then(
+            lambda f: [round1, f.value()[0]])
+
+    def decode(self, received: list[torch.Tensor], compressor: PowerSGDCompressor, ctx: Any) -> torch.Tensor:
+        return compressor.finish(received, ctx)
+
+
+@register("powersgd", paper="Vogels, Karimireddy, Jaggi 2019 (PowerSGD, NeurIPS)")
+def powersgd(
+    rank: Annotated[int, Range(1, None), "rank r of the approximation P Q^T of each matrix"] = 1,
+    min_compression_rate: Annotated[float, Range(0, None, low_open=True),
+                                   "compress a matrix only if n m > rate (n + m) r"] = 2.0,
+    error_feedback: Annotated[bool, "add what the approximation missed to the next step's gradient"] = True,
+    warm_start: Annotated[bool, "start each step from the previous step's Q (else a fresh random Q)"] = True,
+    seed: Annotated[int, Range(0, None), "seed of the first (or, without warm start, every) query Q"] = 0,
+) -> Method:
+    """PowerSGD: low-rank P Q^T of each matrix by one power iteration, two chained all-reduces, vectors dense."""
+    return Method(PowerSGDCompressor(rank, min_compression_rate, error_feedback, warm_start, seed), NoMemory(),
+                  PowerSGDCommunicator())
