@@ -13,12 +13,12 @@ import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
 from gcomp.collectives import AllgatherCommunicator
-from gcomp.core import ALLGATHER, Compressor, Method, Payload
+from gcomp.compressors.sparse import SparseCompressor
+from gcomp.core import Method
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.registry import register
 
-_INT32_LIMIT = 2**31 - 1
 _BUFFERS = ("momentum", "velocity")
 _SAMPLES_PER_SELECTED = 8  # at least 8 / density samples: the threshold's rank among them is >= 16
 _TARGET, _CAP = 2, 4       # the sampled threshold aims at 2k candidates and keeps at most 4k
@@ -73,7 +73,7 @@ class _LayoutState:
         self.by_param = {b: {n: t.clone() for n, t in state.get(b, {}).items()} for b in _BUFFERS}
 
 
-class DGCCompressor(Compressor):
+class DGCCompressor(SparseCompressor):
     """Sends a fixed ``k = ceil(density * n)`` entries of the momentum-corrected velocity per bucket: k values
     in the bucket's dtype and k int32 positions (int64 past 2**31 elements), by all-gather; the same k on
     every rank, so no sizes are exchanged. Entries several ranks chose are summed.
@@ -86,7 +86,6 @@ class DGCCompressor(Compressor):
     pass; if fewer pass (rare, or a mostly-zero bucket), the empty slots carry a zero value at position 0.
     """
 
-    collective = ALLGATHER
     stateful = True
 
     def __init__(self, ratio: float, momentum: float, nesterov: bool, masking: bool, clip_norm: float,
@@ -137,8 +136,7 @@ class DGCCompressor(Compressor):
         for t in (u, v):  # a non-finite entry left behind would poison every later step
             torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
         index = torch.where(index < n, index, 0)  # an empty slot adds a zero at position 0
-        index = index.to(torch.int32) if n <= _INT32_LIMIT else index
-        return Payload([values, index], ctx=(n, tensor.dtype))
+        return self.sparse_payload(values, index, tensor)
 
     def _clip(self, tensor: torch.Tensor, bucket: BucketInfo) -> torch.Tensor:
         """Each parameter's local gradient (``world * tensor``) clipped to norm ``clip_norm / sqrt(world)``."""
@@ -175,14 +173,6 @@ class DGCCompressor(Compressor):
         ranked = torch.where(candidates < n, scores[candidates.clamp(max=n - 1)], -1)
         return candidates[torch.topk(ranked, k, sorted=False).indices]
 
-    def decompress(self, tensors, ctx):
-        values, index = tensors
-        n, dtype = ctx
-        return torch.zeros(n, dtype=dtype, device=values.device).index_add_(0, index, values)
-
-    def aggregate(self, gathered, ctx):
-        values, index = gathered
-        return self.decompress([values.reshape(-1), index.reshape(-1)], ctx)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "steps": self.steps, **self.state.state_dict()}

@@ -7,12 +7,12 @@ import torch
 import torch.distributed as dist
 
 from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator
-from gcomp.core import ALLGATHER, Compressor, Method, Payload
+from gcomp.compressors.sparse import SparseCompressor
+from gcomp.core import Method
 from gcomp.memory import ResidualMemory
 from gcomp.params import Range
 from gcomp.registry import register
 
-_INT32_LIMIT = 2**31 - 1
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -27,7 +27,7 @@ def _floor_to(value: float, dtype: torch.dtype) -> float:
     return float(rounded)
 
 
-class ThresholdCompressor(Compressor):
+class ThresholdCompressor(SparseCompressor):
     """Sends the entries whose local magnitude exceeds ``threshold``: their values in the bucket's dtype and
     int32 positions (int64 past 2**31 elements), as many as there are, so the count differs per rank and step.
     On the wire (``SizedAllgatherCommunicator``): one int64 size per rank, then values and positions
@@ -37,7 +37,6 @@ class ThresholdCompressor(Compressor):
     ``threshold / world``. NaN and infinities always pass.
     """
 
-    collective = ALLGATHER
     stat_keys = ("padding_bytes",)
 
     def __init__(self, threshold: float):
@@ -53,25 +52,13 @@ class ThresholdCompressor(Compressor):
             self.world_size = dist.get_world_size(group)
 
     def compress(self, tensor, bucket):
-        n = tensor.numel()
         # not (|x| <= t) rather than |x| > t: NaN fails every comparison, and must be sent
         floor = self._floors.get(tensor.dtype)
         if floor is None:
             floor = self._floors[tensor.dtype] = _floor_to(self.threshold / self.world_size, tensor.dtype)
         keep = ~(tensor.abs() <= floor)
         index = keep.nonzero().squeeze(1)  # the count decides the payload's size: a host sync is inherent
-        values = tensor[index]
-        index = index.to(torch.int32) if n <= _INT32_LIMIT else index
-        return Payload([values, index], ctx=(n, tensor.dtype))
-
-    def decompress(self, tensors, ctx):
-        values, index = tensors
-        n, dtype = ctx
-        return torch.zeros(n, dtype=dtype, device=values.device).index_add_(0, index, values)
-
-    def aggregate(self, gathered, ctx):
-        values, index = gathered  # zero padding adds 0 at position 0
-        return self.decompress([values.reshape(-1), index.reshape(-1)], ctx)
+        return self.sparse_payload(tensor[index], index, tensor)
 
 
 @register("threshold", paper="Strom 2015 (Scalable distributed DNN training using commodity GPU cloud computing)")
