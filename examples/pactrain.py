@@ -33,20 +33,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gcomp
 from gcomp.pruning import kept_fraction, prune
-from train import epoch_batches, load_data, method_params  # examples/train.py: digits, shards, --param
+# examples/train.py: the digits data, shards, --param parsing and the launcher (torchrun or spawned workers)
+from train import epoch_batches, launch, load_data, method_params, under_torchrun
 
 CHECKPOINT_FORMAT = "gcomp-example-pactrain/1"
 
@@ -82,8 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             gcomp.create("pactrain", ternary=ternary, **args.method_params)  # fail here, before any worker starts
     except ValueError as err:
         p.error(str(err))
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if under_torchrun and args.nproc is not None:
+    if under_torchrun() and args.nproc is not None:
         p.error("--nproc spawns workers itself; under torchrun use --nproc_per_node instead")
     for flag, value, low in (("--nproc", 1 if args.nproc is None else args.nproc, 1), ("--epochs", args.epochs, 1),
                              ("--batch", args.batch, 1), ("--steps", args.steps, 0), ("--hidden", args.hidden, 1),
@@ -271,31 +268,13 @@ def run(args, state_dict: dict | None) -> None:
     dist.barrier()  # no rank tears the process group down while another still uses it
 
 
-def spawned(rank: int, world: int, port: int, args, state_dict: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        run(args, state_dict)
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
-        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
-        try:
-            run(args, None)
-        finally:
-            dist.destroy_process_group()
-        return
-    train, test = load_data(args.seed)
-    state_dict = pretrained(args, train, test, lambda *a: print(*a, flush=True))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    nproc = args.nproc or 1
-    mp.spawn(spawned, args=(nproc, port, args, state_dict), nprocs=nproc, join=True)
+    state_dict = None  # under torchrun, rank 0 pre-trains (or loads) and shares the weights in run()
+    if not under_torchrun():
+        train, test = load_data(args.seed)
+        state_dict = pretrained(args, train, test, lambda *a: print(*a, flush=True))
+    launch(run, args.nproc or 1, args, state_dict)
 
 
 if __name__ == "__main__":

@@ -57,8 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             gcomp.create(name, **args.method_params[name])  # fail here, before any worker starts
     except ValueError as err:
         p.error(str(err))
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if under_torchrun and args.nproc is not None:
+    if under_torchrun() and args.nproc is not None:
         p.error("--nproc spawns workers itself; under torchrun use --nproc_per_node instead")
     for flag, value, low in (("--nproc", 1 if args.nproc is None else args.nproc, 1), ("--epochs", args.epochs, 1),
                              ("--batch", args.batch, 1), ("--steps", args.steps, 0)):
@@ -183,28 +182,38 @@ def run(args) -> None:
     dist.barrier()  # no rank tears the process group down while another still uses it
 
 
-def spawned(rank: int, world: int, port: int, args) -> None:
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _spawned(rank: int, world: int, port: int, run, run_args: tuple) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        run(args)
+        run(*run_args)
     finally:
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+def launch(run, nproc: int, *run_args) -> None:
+    """``run(*run_args)`` on every rank: in this process under torchrun (rank and world size from the
+    environment), otherwise on ``nproc`` gloo workers spawned on 127.0.0.1 with a free port."""
+    if under_torchrun():
         dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
         try:
-            run(args)
+            run(*run_args)
         finally:
             dist.destroy_process_group()
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(spawned, args=(args.nproc or 1, port, args), nprocs=args.nproc or 1, join=True)
+    mp.spawn(_spawned, args=(nproc, port, run, run_args), nprocs=nproc, join=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    launch(run, args.nproc or 1, args)
 
 
 if __name__ == "__main__":
