@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gcomp.collectives import bitpack
+from gcomp.collectives.shared_scale import SharedScaleCommunicator
 from gcomp.core import ALLREDUCE, Communicator, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -227,11 +228,13 @@ class PacTrainCompressor(Compressor):
 class PacTrainCommunicator(Communicator):
     """SUM all-reduce of the bucket or its packed support, with the tracker's small MAX all-reduce of flags.
 
-    Ternary takes two rounds: the MAX all-reduce of the scales runs (and is waited for) in the hook itself,
-    because the codes depend on the shared scale; the SUM of the lanes is then launched asynchronously.
+    Ternary takes the two rounds of ``SharedScaleCommunicator`` (as TernGrad's all-reduce form does): the MAX
+    all-reduce of the scales runs (and is waited for) in the hook itself, because the codes depend on the
+    shared scale; the SUM of the lanes is then launched asynchronously.
     """
 
     collective = ALLREDUCE
+    _shared_scale = SharedScaleCommunicator()
 
     def exchange(self, payload: Payload, compressor: PacTrainCompressor, group) -> torch.futures.Future:
         mode = payload.ctx.mode
@@ -240,11 +243,7 @@ class PacTrainCommunicator(Communicator):
                        dist.all_reduce(payload.tensors[1], dist.ReduceOp.MAX, group=group, async_op=True).get_future()]
             return torch.futures.collect_all(futures).then(lambda f: [x.value()[0] for x in f.value()])
         if mode == TERNARY:
-            dist.all_reduce(payload.tensors[0], dist.ReduceOp.MAX, group=group)
-            compressor.ternarise(payload)
-            scales = payload.tensors[0]
-            return dist.all_reduce(payload.tensors[1], group=group, async_op=True).get_future().then(
-                lambda f: [scales, f.value()[0]])
+            return self._shared_scale.exchange(payload, compressor, group)
         return dist.all_reduce(payload.tensors[0], group=group, async_op=True).get_future()
 
     def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx: Any) -> torch.Tensor:
