@@ -135,3 +135,20 @@ def close_pools() -> None:
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+_outcomes: dict = {}
+
+
+def run_ranks_once(key, world: int, fn, *args, **kwargs) -> list:
+    """``run_ranks`` once per ``key`` in a test session: later tests reuse its result, or its failure (each
+    test that needs a failed job fails, naming the key)."""
+    if key not in _outcomes:
+        try:
+            _outcomes[key] = (True, run_ranks(world, fn, *args, **kwargs))
+        except AssertionError as err:
+            _outcomes[key] = (False, err)
+    ok, value = _outcomes[key]
+    if not ok:
+        raise AssertionError(f"rank job {key} failed") from value
+    return value

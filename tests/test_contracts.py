@@ -1,7 +1,7 @@
 """The contracts of DESIGN.md, run against every registered method (``gcomp.available()``).
 
 A method registered later (a new compressor file, an entry point) is picked up here without editing this
-file. Multi-process checks run on 1-4 gloo ranks through ``tests.distributed.run_ranks``; each rank job
+file. Multi-process checks run on 1-4 gloo ranks through ``tests.distributed.run_ranks_once``; each rank job
 covers several configurations at once (see tests/contracts_jobs.py) and the tests below read their own
 configuration from a per-session cache, so a failure names the exact method and configuration.
 
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import gcomp
 from gcomp.params import OneOf, Range
 from tests import contracts_jobs as jobs
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks_once
 
 METHODS = gcomp.available()
 WORLDS = (1, 2, 3, 4)
@@ -42,33 +42,15 @@ LOSSLESS_METHODS = [m for m in METHODS if _method(m).compressor.lossless]
 ERROR_FEEDBACK_METHODS = [m for m in METHODS if _method(m).memory.stateful]
 
 
-# --- per-session cache of rank jobs ----------------------------------------------------------------------------
-
-_cache: dict = {}
-
-
-def _cached(key, world: int, fn, *args, **kwargs):
-    """Run a rank job once per key; later tests (and a failure) reuse its outcome."""
-    if key not in _cache:
-        try:
-            _cache[key] = (True, run_ranks(world, fn, *args, **kwargs))
-        except AssertionError as err:
-            _cache[key] = (False, err)
-    ok, value = _cache[key]
-    if not ok:
-        raise AssertionError(f"rank job {key} failed") from value
-    return value
-
-
 def _reduce_results(name: str, world: int) -> list[dict]:
-    return _cached(("reduce", name, world), world, jobs.job_reduce, name)
+    return run_ranks_once(("reduce", name, world), world, jobs.job_reduce, name)
 
 
 TRAIN_CONFIGS = [(several, static) for several in (False, True) for static in (False, True)]
 
 
 def _train_results(name: str, world: int) -> list[dict]:
-    return _cached(("train", name, world), world, jobs.job_train, name, TRAIN_CONFIGS,
+    return run_ranks_once(("train", name, world), world, jobs.job_train, name, TRAIN_CONFIGS,
                    reference=name in LOSSLESS_METHODS)
 
 
@@ -215,7 +197,7 @@ def test_state_dict_resume_is_bit_identical(name, flavour):
     if flavour not in jobs.FIXED_LAYOUT and not _layout_independent(name):
         pytest.skip(f"{name} depends on where a parameter lies in the bucket, and a fresh DDP model starts from "
                     "its initial layout: the fixed-layout cases carry the contract")
-    ranks = _cached(("resume",), 2, jobs.job_resume, METHODS)
+    ranks = run_ranks_once(("resume",), 2, jobs.job_resume, METHODS)
     for rank, r in enumerate(ranks):
         run = r[(name, flavour)]
         assert torch.equal(run["resumed"], run["straight"]), (
@@ -360,7 +342,7 @@ def test_bad_parameter_fails_at_create(name, pname, value):
 def test_bad_parameter_fails_at_install_and_leaves_ddp_free():
     cases = [(p.values[0], {p.values[1]: p.values[2]}) for p in BAD_CASES]
     cases += [(name, {"no_such_parameter": 1}) for name in METHODS]
-    outcomes = _cached(("install-rejects",), 1, jobs.job_install_rejects, cases)[0]
+    outcomes = run_ranks_once(("install-rejects",), 1, jobs.job_install_rejects, cases)[0]
     for (name, params), (message, reinstalled) in zip(cases, outcomes):
         (pname, value), = params.items()
         assert message is not None, f"install({name!r}, {params}) did not raise ValueError"

@@ -20,7 +20,7 @@ from gcomp.collectives.bitpack import WORD_BITS, fields_per_word, lane_bits, pac
 from gcomp.compressors.pactrain import PacTrainCompressor
 from gcomp.pruning import mask_of
 from tests.compressors import pactrain_jobs as jobs
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks_once
 
 # --- integer lanes up to 1024 ranks --------------------------------------------------------------------------------
 # tests/collectives/test_bitpack.py has the round trips (every width) and the lane sum with field 0 at its maximum;
@@ -188,20 +188,11 @@ def test_nonfinite_on_the_support_surfaces_on_every_rank(ternary, bad):
 # --- pruned models under DDP: one rank job per world size ------------------------------------------------------------
 
 WORLD_CONFIGS = {2: list(jobs.CONFIGS), 3: ["basic"], 4: ["basic", "ternary"]}
-_cache: dict = {}
 
 
 def _ranks(world: int) -> list[dict]:
     """Per rank: ``{config name: {"pactrain": run, "reference": run or None}}`` (see ``jobs.train``)."""
-    if world not in _cache:
-        try:
-            _cache[world] = (True, run_ranks(world, jobs.job_train, WORLD_CONFIGS[world]))
-        except AssertionError as err:
-            _cache[world] = (False, err)
-    ok, value = _cache[world]
-    if not ok:
-        raise AssertionError(f"the {world}-rank job failed") from value
-    return value
+    return run_ranks_once(("pactrain", world), world, jobs.job_train, WORLD_CONFIGS[world])
 
 
 def _runs(world: int, name: str, which: str = "pactrain") -> list[dict]:
@@ -429,13 +420,10 @@ RESUMES = {  # name: (pactrain parameters, DDP options, checkpoint after this ma
     "ternary-tracking": ({"ternary": True}, FIXED, 3, True),
     "ternary-frozen-no-hook-state": ({"ternary": True}, FIXED, 9, False),
 }
-_resume_cache: dict = {}
 
 
 def _resumed(name: str) -> list[dict]:
-    if "ranks" not in _resume_cache:
-        _resume_cache["ranks"] = run_ranks(2, jobs.job_resume, RESUMES, RESUME_STEPS)
-    return [r[name] for r in _resume_cache["ranks"]]
+    return [r[name] for r in run_ranks_once(("pactrain-resume",), 2, jobs.job_resume, RESUMES, RESUME_STEPS)]
 
 
 @pytest.mark.parametrize("name", [
