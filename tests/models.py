@@ -22,6 +22,13 @@ def batch(step: int, rank: int, size: int = 16) -> tuple[torch.Tensor, torch.Ten
     return x, y
 
 
+def teacher_labels(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """Labels of ``x`` (rows of 20 inputs, as ``mlp`` takes) from a fixed random linear teacher: a task the MLP
+    can learn, unlike the random labels of ``batch``; convergence smoke tests train on it."""
+    teacher = torch.randn(20, 10, generator=torch.Generator().manual_seed(seed))
+    return (x @ teacher).argmax(1)
+
+
 def ddp(model: nn.Module, **kwargs) -> DistributedDataParallel:
     return DistributedDataParallel(model, **kwargs)
 

@@ -55,9 +55,8 @@ _TEACHER = 4242
 
 def teacher_batch(step: int, rank: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """A learnable task for the tests' MLP: labels from a fixed random linear teacher; a batch per step and rank."""
-    teacher = torch.randn(20, 10, generator=torch.Generator().manual_seed(_TEACHER))
     x = torch.randn(size, 20, generator=torch.Generator().manual_seed(100_000 * step + rank))
-    return x, (x @ teacher).argmax(1)
+    return x, models.teacher_labels(x, seed=_TEACHER)
 
 
 def _train(model, steps: int, lr: float, counter) -> dict:

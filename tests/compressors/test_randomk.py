@@ -16,14 +16,13 @@ import gcomp
 from gcomp import BucketInfo
 from gcomp.compressors.randomk import RandomKCompressor
 from tests.distributed import run_ranks
-from tests.models import ddp, flat_params, mlp
+from tests.models import ddp, flat_params, mlp, teacher_labels
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # --- the convergence smoke test shared by randomk, threshold and dgc -------------------------------------------
 
-TEACHER = torch.randn(20, 10, generator=torch.Generator().manual_seed(123))
 CONVERGE_STEPS, CONVERGE_LR = 40, 0.5
 
 
@@ -31,7 +30,7 @@ def teacher_batch(step: int, rank: int, size: int = 32) -> tuple[torch.Tensor, t
     """A learnable task (labels from a fixed linear teacher), fresh samples per step and rank."""
     g = torch.Generator().manual_seed(10_000 + 1000 * step + rank)
     x = torch.randn(size, 20, generator=g)
-    return x, (x @ TEACHER).argmax(1)
+    return x, teacher_labels(x, seed=123)
 
 
 def converge_job(configs: list[tuple[str, dict]], steps: int = CONVERGE_STEPS, lr: float = CONVERGE_LR) -> list:

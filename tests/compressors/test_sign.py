@@ -17,7 +17,7 @@ import gcomp
 from gcomp import BucketInfo
 from gcomp.compressors.sign import ScaledSignCompressor, SignumCompressor, pack_signs, unpack_signs
 from tests.distributed import run_ranks
-from tests.models import ddp, flat_params, mlp
+from tests.models import ddp, flat_params, mlp, teacher_labels
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -225,9 +225,8 @@ _TEACHER_SEED, _EVAL_SEED = 12345, 999
 
 def _task(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A learnable task: labels of a fixed random linear teacher on Gaussian inputs."""
-    teacher = torch.randn(20, 10, generator=torch.Generator().manual_seed(_TEACHER_SEED))
     x = torch.randn(size, 20, generator=torch.Generator().manual_seed(seed))
-    return x, (x @ teacher).argmax(1)
+    return x, teacher_labels(x, seed=_TEACHER_SEED)
 
 
 def convergence_job(name: str | None, params: dict, steps: int = STEPS, lr: float = LR):

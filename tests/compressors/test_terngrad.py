@@ -19,7 +19,7 @@ from gcomp import BucketInfo
 from gcomp.collectives import bitpack
 from gcomp.compressors.terngrad import SharedScaleTernGradCompressor, TernGradCompressor, wire_scale
 from tests.distributed import run_ranks
-from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, mlp, train
+from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, mlp, teacher_labels, train
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -256,8 +256,7 @@ LR = 0.5
 def teacher_batch(rank: int, size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """A rank's fixed batch, labelled by a fixed random linear teacher (learnable, unlike random labels)."""
     x, _ = batch(0, rank, size)
-    teacher = torch.randn(20, 10, generator=torch.Generator().manual_seed(99))
-    return x, (x @ teacher).argmax(1)
+    return x, teacher_labels(x, seed=99)
 
 
 def converge_job(runs: list[tuple[str | None, dict]], steps: int = SMOKE_STEPS, lr: float = LR,
