@@ -48,7 +48,12 @@ class ResidualMemory(Memory):
         if residual is None:
             residual = torch.empty_like(tensor)
         # The old residual is already inside ``tensor`` (compensate), so its storage takes the new one.
-        torch.sub(tensor, sent, out=residual)
+        self.store(torch.sub(tensor, sent, out=residual), bucket)
+
+    def store(self, residual: torch.Tensor, bucket: BucketInfo) -> None:
+        """Keep ``residual`` (a flat tensor laid out like ``bucket``, taken over, not copied) as what the next
+        ``compensate`` adds. Methods whose residual is only known after the exchange (SparDL's global residual
+        collection, gTop-k) call this themselves instead of ``update``."""
         self._residuals[bucket.key] = torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
         self._layouts[bucket.key] = bucket
 
