@@ -4,7 +4,7 @@
     state = gcomp.install(ddp_model, "topk", ratio=0.01)   # one hook, any registered method
 """
 from gcomp.bucket import BucketInfo
-from gcomp.core import ALLGATHER, ALLREDUCE, Communicator, Compressor, Memory, Method, Payload
+from gcomp.core import ALLGATHER, ALLREDUCE, POINT_TO_POINT, Communicator, Compressor, Memory, Method, Payload
 from gcomp.hook import HookState, install
 from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.params import OneOf, Range
@@ -15,5 +15,5 @@ from gcomp import compressors, pruning  # noqa: E402,F401  (registers the built-
 __version__ = "0.1.0"
 
 __all__ = ["ALLGATHER", "ALLREDUCE", "BucketInfo", "Communicator", "Compressor", "HookState", "Memory", "Method",
-           "NoMemory", "OneOf", "Payload", "Range", "ResidualMemory", "UnknownMethodError", "available", "create",
+           "NoMemory", "OneOf", "POINT_TO_POINT", "Payload", "Range", "ResidualMemory", "UnknownMethodError", "available", "create",
            "describe", "install", "register", "spec"]

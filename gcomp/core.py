@@ -23,6 +23,7 @@ from gcomp.bucket import BucketInfo
 
 ALLREDUCE = "allreduce"
 ALLGATHER = "allgather"
+POINT_TO_POINT = "point-to-point"
 
 
 @dataclass
@@ -59,7 +60,9 @@ class Compressor(_Checkpointed, ABC):
     - ``collective`` says how payloads of several ranks may be combined: ``"allreduce"`` when they can be
       summed element-wise on the wire (then ``decompress(sum of payloads) == sum of decompress(payload)``,
       exactly for lossless codecs, in expectation for stochastic ones), or ``"allgather"`` when each rank's
-      payload must be seen separately and combined by ``aggregate``.
+      payload must be seen separately and combined by ``aggregate``; or ``"point-to-point"`` when the method
+      runs a schedule of messages of its own (SparDL, gTop-k: ``program``, run by a ``ProgramCommunicator``).
+      Such a payload carries no tensors, the communicator counts each message in ``bytes_sent``.
     - ``decompress(compress(x).tensors, ctx)`` has the shape and dtype of ``x``.
     - ``lossless`` is true only when that round trip is exact.
     - Randomness comes from a ``torch.Generator`` the compressor owns, saved in ``state_dict``.
@@ -73,6 +76,9 @@ class Compressor(_Checkpointed, ABC):
     # depends on all payloads jointly (PowerSGD's shared basis, a majority vote); the contract suite then
     # checks those methods against their own tests instead of that sum.
     decodes_alone: ClassVar[bool] = True
+    # True when the result depends on where DDP lays each parameter in the bucket (SparDL cuts the flat bucket
+    # into blocks): a checkpoint resumed on another bucket layout then goes on along another trajectory.
+    depends_on_layout: ClassVar[bool] = False
 
     def bind(self, model: torch.nn.Module | None, group: dist.ProcessGroup | None, stats: dict) -> None:
         """Called once when the hook is set up, with the DDP model's module, the process group and the hook's
