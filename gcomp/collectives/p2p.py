@@ -1,0 +1,165 @@
+"""Point-to-point round programs: a schedule written once, run on a process group or simulated in one process.
+
+A *program* is a generator, one per rank. Each ``yield Round(sends, recvs)`` is one latency round: at most
+one message to each peer and one from each peer, every message a flat uint8 tensor whose size both sides
+know in advance (so no size travels on the wire). The generator is resumed with ``{peer: received message}``
+and finally returns its result. ``run_program`` runs one rank's program over torch.distributed
+(``batch_isend_irecv``: gloo and NCCL alike, one message per peer per round); ``run_locally`` runs all ranks'
+programs in lockstep inside one process, which is how schedules are tested for any number of workers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Generator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gcomp.core import POINT_TO_POINT, Communicator, Compressor, Payload
+
+_ALIGN = 8  # every section starts at a multiple of 8 bytes, so any dtype can be viewed in place
+
+
+@dataclass
+class Round:
+    """One latency round of a program: ``sends`` maps a peer (rank in the group) to the message for it,
+    ``recvs`` maps a peer to the number of bytes expected from it. Either may be empty."""
+
+    sends: dict[int, torch.Tensor] = field(default_factory=dict)
+    recvs: dict[int, int] = field(default_factory=dict)
+
+
+Program = Generator[Round, dict, Any]
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def message_nbytes(sections: Sequence[tuple[torch.dtype, int]]) -> int:
+    """Size of a message packed from tensors of these ``(dtype, numel)``."""
+    return sum(_padded(numel * dtype.itemsize) for dtype, numel in sections)
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat uint8 message holding ``tensors`` (flattened), each section aligned to 8 bytes."""
+    device = tensors[0].device if tensors else None
+    out = torch.zeros(message_nbytes([(t.dtype, t.numel()) for t in tensors]), dtype=torch.uint8, device=device)
+    start = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        out[start:start + nbytes].view(t.dtype).copy_(t.reshape(-1))
+        start += _padded(nbytes)
+    return out
+
+
+def unpack(message: torch.Tensor, sections: Sequence[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+    """The flat tensors of a ``pack``-ed message, as views into it."""
+    out, start = [], 0
+    for dtype, numel in sections:
+        nbytes = numel * dtype.itemsize
+        out.append(message[start:start + nbytes].view(dtype))
+        start += _padded(nbytes)
+    if start != message.numel():
+        raise ValueError(f"message of {message.numel()} bytes, sections need {start}")
+    return out
+
+
+def run_program(program: Program, group: dist.ProcessGroup | None = None,
+                device: torch.device | str = "cpu") -> tuple[Any, int, int]:
+    """Run one rank's program on ``group``; returns ``(its result, bytes this rank sent, messages sent)``.
+
+    Receive buffers are allocated on ``device``. Each round posts all its sends and receives at once and
+    waits for them (gloo's point-to-point work has no future, and the next round depends on this one).
+    Zero-byte messages are skipped on both sides.
+    """
+    sent = messages = 0
+    try:
+        plan = next(program)
+        while True:
+            ops, received = [], {}
+            for peer, message in plan.sends.items():
+                if message.numel():
+                    ops.append(dist.P2POp(dist.isend, message, group=group, group_peer=peer))
+                    sent += message.numel()
+                    messages += 1
+            for peer, nbytes in plan.recvs.items():
+                buffer = received[peer] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                if nbytes:
+                    ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            plan = program.send(received)
+    except StopIteration as done:
+        return done.value, sent, messages
+
+
+def run_locally(programs: Sequence[Program]) -> list[Any]:
+    """Run every rank's program (``programs[r]`` is rank r's) in lockstep in this process; returns their
+    results in rank order. A message nobody receives, a receive nobody sends, or a size mismatch raises:
+    this is where schedules are checked. All programs must take the same number of rounds."""
+    world = len(programs)
+    plans: list[Round | None] = [None] * world
+    results: list[Any] = [None] * world
+    finished = [False] * world
+    for r, p in enumerate(programs):
+        try:
+            plans[r] = next(p)
+        except StopIteration as done:  # a program with no rounds (one worker)
+            results[r], finished[r] = done.value, True
+    round_index = 0
+    while not all(finished):
+        if any(finished):
+            raise RuntimeError(f"round {round_index}: ranks {[r for r in range(world) if finished[r]]} finished, "
+                               "the others did not")
+        mail = {(src, dst): m for src, plan in enumerate(plans) for dst, m in plan.sends.items()}
+        for src, dst in mail:
+            if not 0 <= dst < world or dst == src:
+                raise RuntimeError(f"round {round_index}: rank {src} sends to rank {dst}")
+        for dst, plan in enumerate(plans):
+            received = {}
+            for src, nbytes in plan.recvs.items():
+                message = mail.pop((src, dst), None)
+                if message is None:
+                    raise RuntimeError(f"round {round_index}: rank {dst} waits for rank {src}, which sends nothing")
+                if message.numel() != nbytes:
+                    raise RuntimeError(f"round {round_index}: rank {src} sends {message.numel()} bytes to rank {dst}, "
+                                       f"which expects {nbytes}")
+                received[src] = message.clone()
+            try:
+                plans[dst] = programs[dst].send(received)
+            except StopIteration as done:
+                results[dst], finished[dst] = done.value, True
+        if mail:
+            raise RuntimeError(f"round {round_index}: messages {sorted(mail)} (src, dst) were never received")
+        round_index += 1
+    return results
+
+
+class ProgramCommunicator(Communicator):
+    """Runs the compressor's round program (``compressor.program(ctx, rank, world)``) on the process group.
+
+    The rounds run, and are waited for, in ``exchange`` itself: each round's messages depend on the last
+    one's, and gloo's point-to-point work has no future to chain on. The future it returns is already
+    complete and holds ``[result]``. The bytes of every message this rank sends are added to the hook's
+    ``bytes_sent`` (the payload itself is empty), and their count to ``messages`` when the codec counts it.
+    """
+
+    collective = POINT_TO_POINT
+
+    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None
+                 ) -> torch.futures.Future:
+        program = compressor.program(payload.ctx, dist.get_rank(group), dist.get_world_size(group))
+        result, sent, messages = run_program(program, group, device=compressor.device(payload.ctx))
+        stats = getattr(compressor, "stats", None)
+        if stats:
+            stats["bytes_sent"] += sent
+            if "messages" in stats:
+                stats["messages"] += messages
+        future = torch.futures.Future()
+        future.set_result([result])
+        return future
+
+    def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx: Any) -> torch.Tensor:
+        return received[0]
