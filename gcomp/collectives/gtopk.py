@@ -1,0 +1,56 @@
+"""gTop-k's schedule (Shi et al., ICDCS 2019; specs/ALGORITHMS.md §3.7, §3.9): a binomial tree that merges
+pairs of top-k sets, keeping the top k of each merge, then a binomial broadcast of rank 0's set. 2 ceil(log2 P)
+rounds; every rank sends at most one k-entry message in the merge and at most ceil(log2 P) in the broadcast."""
+from __future__ import annotations
+
+import torch
+
+from gcomp.collectives.p2p import Program, Round, message_nbytes, pack, unpack
+
+
+def merge_top(index_a: torch.Tensor, values_a: torch.Tensor, index_b: torch.Tensor, values_b: torch.Tensor,
+              k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` (by magnitude) of two sparse vectors summed, each given by ``k`` distinct positions.
+
+    Sorting puts a position both hold next to itself (a's entry first, so every rank adds a + b); the
+    second of such a pair scores -1, below every magnitude, so the ``k`` kept positions are distinct.
+    """
+    index = torch.cat([index_a, index_b])
+    order = torch.argsort(index, stable=True)
+    index, values = index[order], torch.cat([values_a, values_b])[order]
+    twin = index[1:] == index[:-1]  # entry i and i + 1 are the same position
+    summed = values.clone()
+    summed[:-1] += torch.where(twin, values[1:], 0)
+    score = summed.abs()
+    score[1:] = torch.where(twin, -1, score[1:])
+    keep = torch.topk(score, k, sorted=False).indices
+    return index[keep], summed[keep]
+
+
+def gtopk_program(index: torch.Tensor, values: torch.Tensor, rank: int, world: int) -> Program:
+    """One rank's gTop-k rounds for its local top-k (``index`` int32 or int64 positions, ``values``); returns
+    the global ``(index, values)`` every rank ends with (rank 0's last merge)."""
+    k = index.numel()
+    sections = [(index.dtype, k), (values.dtype, k)]
+    nbytes = message_nbytes(sections)
+    gap = 1
+    while gap < world:  # merge up the tree: rank r + gap hands its set to r
+        if rank % (2 * gap) == gap:
+            yield Round({rank - gap: pack([index, values])})
+        elif rank % (2 * gap) == 0 and rank + gap < world:
+            got = yield Round(recvs={rank + gap: nbytes})
+            other_index, other_values = unpack(got[rank + gap], sections)
+            index, values = merge_top(index, values, other_index, other_values, k)
+        else:
+            yield Round()
+        gap *= 2
+    while gap > 1:  # broadcast down the same tree
+        gap //= 2
+        if rank % (2 * gap) == 0 and rank + gap < world:
+            yield Round({rank + gap: pack([index, values])})
+        elif rank % (2 * gap) == gap:
+            got = yield Round(recvs={rank - gap: nbytes})
+            index, values = (t.clone() for t in unpack(got[rank - gap], sections))
+        else:
+            yield Round()
+    return index, values
