@@ -1,0 +1,58 @@
+"""``gtopk``: global top-k (Shi et al., ICDCS 2019), the tree-merge baseline SparDL is compared with."""
+from __future__ import annotations
+
+from typing import Annotated
+
+import torch
+
+from gcomp.collectives.gtopk import gtopk_program
+from gcomp.collectives.p2p import ProgramCommunicator
+from gcomp.compressors.scheduled import ScheduledCompressor, ScheduledCtx, keep_top
+from gcomp.core import Method
+from gcomp.memory import NoMemory
+from gcomp.params import Range
+from gcomp.registry import register
+
+_INT32_LIMIT = 2**31 - 1
+
+
+class GlobalTopKCompressor(ScheduledCompressor):
+    """Each rank takes the top k = max(1, int(density * n)) of its compensated bucket; a binomial tree merges
+    the sets pairwise, summing shared positions and keeping the top k each time, and rank 0's result is
+    broadcast down the same tree (``gcomp.collectives.gtopk``).
+
+    On the wire, point-to-point only: messages of k (int32 position, value in the bucket's dtype) pairs;
+    2 ceil(log2 P) rounds; a rank sends one message up the tree (rank 0 none) and one per child down it.
+
+    Error feedback: a rank's entries count as sent where its local choice is in the global set; everything
+    else stays in its residual. As in the paper, a value a merge dropped is lost where its position still
+    made the global set through another branch of the tree.
+    """
+
+    stat_keys = ("messages",)
+
+    def __init__(self, density: float):
+        super().__init__()
+        self.density = density
+
+    def program(self, ctx: ScheduledCtx, rank: int, world: int, keep: bool = True):
+        compensated = ctx.compensated
+        n = compensated.numel()
+        k = max(1, int(n * self.density))
+        local = keep_top(compensated, k)
+        index_dtype = torch.int32 if n <= _INT32_LIMIT else torch.int64
+        index, values = yield from gtopk_program(local.to(index_dtype), compensated[local], rank, world)
+        index = index.long()
+        if keep:
+            residual = compensated.clone()
+            residual[local] = torch.where(torch.isin(local, index), 0, compensated[local])
+            self.memory.store(residual, ctx.bucket)
+        return torch.zeros_like(compensated).index_add_(0, index, values)  # positions are distinct
+
+
+@register("gtopk", paper="Shi et al., A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification, "
+                         "ICDCS 2019")
+def gtopk(density: Annotated[float, Range(0, 1, low_open=True), "fraction of the bucket's entries sent"] = 0.01
+          ) -> Method:
+    """Global top-k: pairwise tree merge with re-selection, then a tree broadcast; point-to-point messages."""
+    return Method(GlobalTopKCompressor(density), NoMemory(), ProgramCommunicator())

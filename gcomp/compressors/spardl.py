@@ -1,0 +1,128 @@
+"""``spardl``: SparDL (Zhao et al., arXiv 2304.00737): sparse reduce-scatter and all-gather with global residual
+collection, for any number of workers (schedules in ``gcomp.collectives.spardl``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import torch
+
+from gcomp.collectives.p2p import ProgramCommunicator
+from gcomp.collectives.spardl import spardl_program
+from gcomp.compressors.scheduled import ScheduledCompressor, ScheduledCtx
+from gcomp.core import Method
+from gcomp.memory import NoMemory
+from gcomp.params import Range
+from gcomp.registry import register
+
+
+@dataclass
+class _Budget:
+    """Spar-All-Gather's adaptive per-team budget h for one bucket layout (specs §3.6). The union size of a
+    step is read on the host at the next step, so the step itself never waits for it; every member of a
+    Spar-All-Gather group merges the same union, so they all move h alike."""
+
+    h: int
+    step: int
+    inertia: bool = False
+    union: torch.Tensor | None = None  # last step's union size, not read yet
+
+    def adapt(self, k: int, floor: int) -> None:
+        if self.union is None:
+            return
+        union, self.union = int(self.union), None
+        if (union > k) != (self.step > 0):  # moving the right way: speed up every second step
+            if self.inertia:
+                self.step *= 2
+            self.inertia = not self.inertia
+        else:  # overshot: turn round at half the speed
+            self.step = int(-0.5 * self.step) if abs(self.step) > 1 else -self.step
+            self.inertia = False
+        self.h = min(max(self.h + self.step, floor), k)
+
+
+class SparDLCompressor(ScheduledCompressor):
+    """SparDL, per bucket. With P workers in ``teams`` teams of Q, the bucket is zero-padded and cut into Q
+    blocks of B entries, and each block is reduced sparsely (``gcomp.collectives.spardl``).
+
+    On the wire, point-to-point only, one message per peer per round: messages of k = max(1, int(density * B))
+    (int32 position, value in the bucket's dtype) pairs per block; 2 ceil(log2 Q) rounds (plus ceil(log2
+    teams) for Spar-All-Gather), and 2 (Q - 1) k pairs sent per worker and step with one team, about
+    2 (P - 1) / P * density * n: independent of P. With several teams each final block also carries its
+    length (an int32), the teams' messages carry h pairs, and block messages are padded to k pairs.
+
+    Global residual collection: off a block's final support every rank keeps its own compensated entry; on
+    it, what it did not pass on (a partial sum it cut, or 0). So the residuals of all ranks plus P times
+    the mean sent add up to the sum of the compensated gradients, exactly (for any number of teams).
+    """
+
+    depends_on_layout = True  # blocks are ranges of the flat bucket
+    stat_keys = ("messages",)
+
+    def __init__(self, density: float, teams: int):
+        super().__init__()
+        self.density, self.teams = density, teams
+        self._budgets: dict[str, _Budget] = {}
+
+    def bind(self, model, group, stats) -> None:
+        super().bind(model, group, stats)
+        if self.world % self.teams:
+            raise ValueError(f"spardl: parameter 'teams' must divide the number of workers ({self.world}); "
+                             f"got {self.teams!r}")
+
+    def geometry(self, numel: int, world: int) -> tuple[int, int, int]:
+        """``(blocks Q, block size B, entries per block k)`` of a bucket of ``numel`` on ``world`` workers."""
+        size = world // self.teams if world % self.teams == 0 else world
+        width = max(1, -(-numel // size))
+        return size, width, max(1, int(width * self.density))
+
+    def program(self, ctx: ScheduledCtx, rank: int, world: int, keep: bool = True):
+        teams = self.teams if world % self.teams == 0 else 1  # a codec decoded alone runs as one worker
+        size, width, k = self.geometry(ctx.compensated.numel(), world)
+        budget = self._budget(ctx.bucket.key, k, teams) if teams > 1 else None
+        h = budget.h if budget is not None else k
+        original = ctx.compensated.new_zeros(size * width)
+        original[:ctx.compensated.numel()] = ctx.compensated
+        blocks = original.clone()
+        selection = yield from spardl_program(blocks.view(size, width), rank, world, teams, k, h)
+        positions = (torch.arange(size, device=blocks.device)[:, None] * width + selection.index).reshape(-1)
+        values = selection.values.reshape(-1)
+        result = torch.zeros_like(original).index_add_(0, positions, values)  # positions are distinct
+        if keep:
+            # Global residual collection: the original entry off the final support, the provisional residual on it
+            kept = blocks[positions]
+            if selection.valid is not None:
+                kept = torch.where(selection.valid.reshape(-1), kept, original[positions])
+            original[positions] = kept
+            self.memory.store(original[:ctx.compensated.numel()], ctx.bucket)
+            if budget is not None:
+                budget.union = selection.union
+        return result[:ctx.compensated.numel()]
+
+    def _budget(self, key: str, k: int, teams: int) -> _Budget:
+        floor = min(max(1, k // teams), k)
+        budget = self._budgets.get(key)
+        if budget is None:
+            budget = self._budgets[key] = _Budget(floor, max(1, (k - floor) // 100) if k > floor else 0)
+        budget.adapt(k, floor)
+        return budget
+
+    def state_dict(self) -> dict:
+        budgets = {key: {"h": b.h, "step": b.step, "inertia": b.inertia, "union": b.union}
+                   for key, b in self._budgets.items()}
+        return {**super().state_dict(), "budgets": budgets}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        budgets = state.pop("budgets", {})
+        super().load_state_dict(state)
+        self._budgets = {key: _Budget(b["h"], b["step"], b["inertia"], b["union"]) for key, b in budgets.items()}
+
+
+@register("spardl", paper="Zhao et al., SparDL, arXiv 2304.00737 (2023)")
+def spardl(density: Annotated[float, Range(0, 1, low_open=True), "fraction of each block's entries sent"] = 0.01,
+           teams: Annotated[int, Range(1, None), "teams for Spar-All-Gather (must divide the workers)"] = 1
+           ) -> Method:
+    """SparDL: top-k per block by Spar-Reduce-Scatter (any worker count), optional Spar-All-Gather across
+    teams, Bruck all-gather, and global residual collection; point-to-point messages only."""
+    return Method(SparDLCompressor(density, teams), NoMemory(), ProgramCommunicator())

@@ -1,0 +1,37 @@
+"""Rank jobs for tests/compressors/test_spardl.py and test_gtopk.py (module level, so worker processes can run them)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import gcomp
+from tests.contracts_jobs import FakeBucket
+from tests.models import mlp
+
+
+def bytes_job(name: str, params: dict, numel: int, steps: int = 2, seed: int = 0) -> dict:
+    """Feed ``steps`` fake buckets of ``numel`` fp32 entries (one parameter) through the hook, compressing from
+    the first step; returns this rank's stats, the results and every rank's results gathered."""
+    rank = dist.get_rank()
+    net = torch.nn.parallel.DistributedDataParallel(mlp(seed))
+    state = gcomp.HookState(gcomp.create(name, **params), net, None)
+    state.warmup = 0
+    param = torch.nn.Parameter(torch.zeros(numel))
+    results = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        bucket = FakeBucket(torch.randn(numel, generator=g), 0, True, [param])
+        results.append(state.reduce(bucket).wait().clone())
+    mine = torch.stack(results)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return {"stats": dict(state.stats), "same": all(torch.equal(t, mine) for t in every)}
+
+
+def install_job(name: str, params: dict) -> str | None:
+    """The ValueError message of installing ``name`` with ``params`` on this group, or None."""
+    try:
+        gcomp.install(torch.nn.parallel.DistributedDataParallel(mlp(0)), name, **params)
+    except ValueError as err:
+        return str(err)
+    return None
