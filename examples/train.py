@@ -16,13 +16,15 @@ goes to every compared method that has a parameter called ``key`` (and is an err
 
 The table's numbers are rank 0's ``state.stats``: bytes/step is ``bytes_sent / steps``, ratio is
 ``bytes_dense / bytes_sent`` (stateful methods such as topk send their first step dense, and that step is
-counted), encode/decode are the seconds spent compressing and decoding.
+counted), encode/decode are the seconds spent compressing and decoding, and step ms is rank 0's mean wall time
+of forward, backward (with the hook's communication) and optimizer step.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import socket
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -49,7 +51,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", default="128,64", metavar="W1,W2,...",
+                   help="hidden layer widths of the MLP (default 128,64; wider layers send more per step)")
     args = p.parse_args(argv)
+    try:
+        args.hidden = [int(w) for w in args.hidden.split(",") if w.strip()]
+    except ValueError:
+        p.error(f"--hidden takes comma-separated integers; got {args.hidden!r}")
+    if not args.hidden or min(args.hidden) < 1:
+        p.error(f"--hidden needs at least one width, each at least 1; got {args.hidden}")
     args.methods = [n.strip() for item in args.compressor or ["identity"] for n in item.split(",") if n.strip()]
     try:
         args.method_params = {name: method_params(name, args.param, args.methods) for name in args.methods}
@@ -120,25 +130,31 @@ def epoch_batches(train, rank: int, world: int, batch: int, seed: int, epoch: in
         yield train[0][idx], train[1][idx]
 
 
-def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
+def make_model(hidden: tuple[int, ...] = (128, 64)) -> nn.Module:
+    widths = [64, *hidden]
+    layers: list[nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(widths[-1], 10))
 
 
 def train_one(name: str, params: dict, args, train, test, log) -> dict:
     """Train a fresh model with method ``name``; return rank 0's view of the final loss, accuracy and stats."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    model = DistributedDataParallel(make_model())
+    model = DistributedDataParallel(make_model(args.hidden))
     state = gcomp.install(model, name, **params)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    step, loss_sum = 0, torch.zeros(2)
+    step, loss_sum, train_s = 0, torch.zeros(2), 0.0
     for epoch in range(args.epochs):
         loss_sum.zero_()
         for x, y in epoch_batches(train, rank, world, args.batch, args.seed, epoch):
+            start = time.perf_counter()
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
+            train_s += time.perf_counter() - start
             loss_sum += torch.tensor([loss.item(), 1.0])
             step += 1
             if step == args.steps:
@@ -153,16 +169,17 @@ def train_one(name: str, params: dict, args, train, test, log) -> dict:
             break
     s = state.stats
     return {"method": name, "loss": loss_value, "accuracy": accuracy, "bytes_per_step": s["bytes_sent"] / s["steps"],
-            "ratio": state.compression_ratio, "encode_s": s["encode_s"], "decode_s": s["decode_s"]}
+            "ratio": state.compression_ratio, "encode_s": s["encode_s"], "decode_s": s["decode_s"],
+            "step_ms": 1000 * train_s / step}
 
 
 def table(rows: list[dict]) -> str:
     head = (f"{'method':<12}{'final loss':>11}{'test accuracy':>15}{'bytes/step':>12}{'ratio':>9}"
-            f"{'encode s':>10}{'decode s':>10}")
+            f"{'encode s':>10}{'decode s':>10}{'step ms':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['method']:<12}{r['loss']:>11.4f}{r['accuracy']:>15.4f}{r['bytes_per_step']:>12.0f}"
-                     f"{r['ratio']:>8.2f}x{r['encode_s']:>10.4f}{r['decode_s']:>10.4f}")
+                     f"{r['ratio']:>8.2f}x{r['encode_s']:>10.4f}{r['decode_s']:>10.4f}{r['step_ms']:>9.2f}")
     return "\n".join(lines)
 
 

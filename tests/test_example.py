@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 README = (ROOT / "README.md").read_text()
 BRIEF = ["--epochs", "1", "--steps", "3"]
-ROW = re.compile(r"^(\S+)\s+([-\d.naninf]+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)x\s+([\d.]+)\s+([\d.]+)$", re.M)
+ROW = re.compile(r"^(\S+)\s+([-\d.naninf]+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)x\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
+                 re.M)
 
 
 def _load_train():
