@@ -18,6 +18,7 @@ import torch.distributed as dist
 from gcomp.core import POINT_TO_POINT, Communicator, Compressor, Payload
 
 _ALIGN = 8  # every section starts at a multiple of 8 bytes, so any dtype can be viewed in place
+_INT32_LIMIT = 2**31 - 1
 
 
 @dataclass
@@ -30,6 +31,11 @@ class Round:
 
 
 Program = Generator[Round, dict, Any]
+
+
+def index_dtype(length: int) -> torch.dtype:
+    """Positions into ``length`` entries travel as int32, as int64 past 2**31 entries."""
+    return torch.int32 if length <= _INT32_LIMIT else torch.int64
 
 
 def _padded(nbytes: int) -> int:

@@ -22,9 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gcomp.collectives.p2p import Program, Round, message_nbytes, pack, unpack
-
-_INT32_LIMIT = 2**31 - 1
+from gcomp.collectives.p2p import Program, Round, index_dtype, message_nbytes, pack, unpack
 
 
 def reduce_scatter_rounds(size: int) -> list[tuple[int, int]]:
@@ -56,11 +54,6 @@ def bruck_rounds(size: int) -> list[tuple[int, int]]:
         schedule.append((gap, min(gap, size - gap)))
         gap *= 2
     return schedule
-
-
-def index_dtype(block: int) -> torch.dtype:
-    """Positions inside a block travel as int32, as int64 past 2**31 entries."""
-    return torch.int32 if block <= _INT32_LIMIT else torch.int64
 
 
 def bruck_allgather(parts: list[torch.Tensor], me: int, size: int, rank_of) -> Program:

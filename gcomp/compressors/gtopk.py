@@ -6,14 +6,12 @@ from typing import Annotated
 import torch
 
 from gcomp.collectives.gtopk import gtopk_program
-from gcomp.collectives.p2p import ProgramCommunicator
+from gcomp.collectives.p2p import ProgramCommunicator, index_dtype
 from gcomp.compressors.scheduled import ScheduledCompressor, ScheduledCtx, keep_top
 from gcomp.core import Method
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.registry import register
-
-_INT32_LIMIT = 2**31 - 1
 
 
 class GlobalTopKCompressor(ScheduledCompressor):
@@ -40,8 +38,7 @@ class GlobalTopKCompressor(ScheduledCompressor):
         n = compensated.numel()
         k = max(1, int(n * self.density))
         local = keep_top(compensated, k)
-        index_dtype = torch.int32 if n <= _INT32_LIMIT else torch.int64
-        index, values = yield from gtopk_program(local.to(index_dtype), compensated[local], rank, world)
+        index, values = yield from gtopk_program(local.to(index_dtype(n)), compensated[local], rank, world)
         index = index.long()
         if keep:
             residual = compensated.clone()
