@@ -9,10 +9,11 @@ import gcomp
 
 def _list(args) -> int:
     names = gcomp.available()
+    collectives = {name: gcomp.create(name).communicator.collective for name in names}
     width = max(map(len, names), default=0)
+    column = max(map(len, collectives.values()), default=0)
     for name in names:
-        method = gcomp.create(name)
-        print(f"{name:<{width}}  {method.communicator.collective:<9}  {gcomp.spec(name).summary}")
+        print(f"{name:<{width}}  {collectives[name]:<{column}}  {gcomp.spec(name).summary}")
     return 0
 
 
