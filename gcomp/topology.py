@@ -1,0 +1,65 @@
+"""Which ranks of a process group share a node, and the intra-node and leaders' groups built from that."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``nodes[i]`` lists the ranks (in the hook's process group) of node i, its leader first."""
+
+    nodes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def regular(cls, world: int, ranks_per_node: int) -> "Topology":
+        """Consecutive ranks in nodes of ``ranks_per_node`` (one machine can play several nodes this way)."""
+        if ranks_per_node < 1 or world % ranks_per_node:
+            raise ValueError(f"parameter 'ranks_per_node' must divide the number of workers ({world}); "
+                             f"got {ranks_per_node!r}")
+        return cls(tuple(tuple(range(s, s + ranks_per_node)) for s in range(0, world, ranks_per_node)))
+
+    @classmethod
+    def discover(cls, group: dist.ProcessGroup | None = None) -> "Topology":
+        """Nodes from torchrun's GROUP_RANK where it is set, else from host names, exchanged over ``group``."""
+        key = os.environ.get("GROUP_RANK") if "LOCAL_WORLD_SIZE" in os.environ else None
+        keys: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(keys, key if key is not None else socket.gethostname(), group=group)
+        nodes: dict = {}
+        for rank, k in enumerate(keys):
+            nodes.setdefault(k, []).append(rank)
+        sizes = sorted({len(v) for v in nodes.values()})
+        if len(sizes) > 1:
+            raise ValueError(f"nodes of unequal size ({', '.join(f'{k}: {len(v)}' for k, v in nodes.items())}): "
+                             "hierarchical methods need the same number of ranks on every node; "
+                             "pass 'ranks_per_node' to choose the nodes yourself")
+        return cls(tuple(tuple(v) for v in nodes.values()))
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        return tuple(node[0] for node in self.nodes)
+
+    def node_of(self, rank: int) -> int:
+        for i, node in enumerate(self.nodes):
+            if rank in node:
+                return i
+        raise ValueError(f"rank {rank} is on no node of {self.nodes}")
+
+    def groups(self, group: dist.ProcessGroup | None = None
+               ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+        """``(this rank's intra-node group, the leaders' group or None on a follower)``. Collective: every rank
+        of ``group`` calls ``new_group`` for every node and for the leaders, in the same order."""
+        def global_ranks(ranks):
+            return [r if group is None else dist.get_global_rank(group, r) for r in ranks]
+
+        me = dist.get_rank(group)
+        intra = None
+        for node in self.nodes:
+            made = dist.new_group(global_ranks(node))
+            if me in node:
+                intra = made
+        inter = dist.new_group(global_ranks(self.leaders))
+        return intra, inter if me in self.leaders else None

@@ -1,0 +1,100 @@
+"""``hierarchical`` and ``gcomp.topology``: 4 ranks as 2 nodes x 2 and 6 ranks as 3 x 2 (``ranks_per_node``):
+with ``inner="identity"`` the result is the dense mean; only leaders send across nodes (``inter_bytes``), and
+they send exactly the inner method's payload; replicas stay identical in DDP training with a lossy inner method.
+Node discovery from torchrun's environment and host names, and its errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gcomp
+from gcomp.topology import Topology
+from tests.contracts_jobs import FakeBucket
+from tests.distributed import run_ranks
+from tests.models import ddp, flat_params, mlp, train
+
+
+def reduce_job(params: dict, numel: int = 3000) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = gcomp.HookState(gcomp.create("hierarchical", **params), ddp(mlp(0)), None)
+    state.warmup = 0
+    param = torch.nn.Parameter(torch.zeros(numel))
+    grads = [torch.randn(numel, generator=torch.Generator().manual_seed(r), dtype=torch.float64).float()
+             for r in range(world)]
+    result = state.reduce(FakeBucket(grads[rank].clone(), 0, True, [param])).wait()
+    dense = torch.stack(grads).sum(0) / world
+    return {"result": result.clone(), "dense": dense, "stats": dict(state.stats)}
+
+
+def train_job(params: dict, steps: int = 6) -> dict:
+    model = ddp(mlp(0))
+    state = gcomp.install(model, "hierarchical", **params)
+    train(model, steps)
+    mine = flat_params(model.module)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return {"same": all(torch.equal(p, mine) for p in every), "stats": dict(state.stats)}
+
+
+@pytest.mark.parametrize("world", [4, 6])
+def test_identity_inner_is_the_dense_mean_and_only_leaders_cross_nodes(world):
+    ranks = run_ranks(world, reduce_job, {"inner": "identity", "ranks_per_node": 2})
+    for rank, r in enumerate(ranks):
+        torch.testing.assert_close(r["result"], r["dense"], rtol=1e-6, atol=1e-6)
+        assert torch.equal(r["result"], ranks[0]["result"]), f"rank {rank} differs"
+        leader = rank % 2 == 0
+        assert r["stats"]["inter_bytes"] == (3000 * 4 if leader else 0), (rank, r["stats"])
+        # the whole bucket inside the node, plus the inner payload on leaders
+        assert r["stats"]["bytes_sent"] == 3000 * 4 + r["stats"]["inter_bytes"], (rank, r["stats"])
+
+
+@pytest.mark.parametrize("world", [4, 6])
+def test_a_lossy_inner_method_keeps_replicas_identical_and_cuts_inter_node_bytes(world):
+    ranks = run_ranks(world, train_job, {"inner": "topk", "ranks_per_node": 2})
+    dense = ranks[0]["stats"]["bytes_dense"]
+    for rank, r in enumerate(ranks):
+        assert r["same"], f"rank {rank}: replicas differ"
+        if rank % 2:
+            assert r["stats"]["inter_bytes"] == 0, r["stats"]
+        else:  # past the dense warm-up step, top-k's 1% (values and positions) crosses the nodes
+            assert 0 < r["stats"]["inter_bytes"] < dense / 2, r["stats"]
+
+
+def test_ranks_per_node_must_divide_the_workers():
+    with pytest.raises(ValueError, match="'ranks_per_node' must divide the number of workers \\(6\\); got 4"):
+        Topology.regular(6, 4)
+    assert Topology.regular(6, 3).nodes == ((0, 1, 2), (3, 4, 5))
+    assert Topology.regular(6, 3).leaders == (0, 3)
+    assert Topology.regular(6, 3).node_of(4) == 1
+
+
+def test_inner_must_be_another_registered_method():
+    with pytest.raises(ValueError, match="'inner'"):
+        gcomp.create("hierarchical", inner="hierarchical")
+    with pytest.raises(ValueError, match="'inner' must name a registered method; got 'topkk'"):
+        gcomp.create("hierarchical", inner="topkk")
+
+
+def discover_job(local: str) -> tuple:
+    import os
+    if local == "torchrun":
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+        os.environ["GROUP_RANK"] = str(dist.get_rank() // 2)
+    elif local == "unequal":
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+        os.environ["GROUP_RANK"] = "0" if dist.get_rank() == 0 else "1"
+    try:
+        return Topology.discover().nodes
+    except ValueError as err:
+        return ("error", str(err))
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        os.environ.pop("GROUP_RANK", None)
+
+
+def test_nodes_are_discovered_from_torchrun_or_host_names():
+    assert run_ranks(4, discover_job, "torchrun") == [((0, 1), (2, 3))] * 4
+    assert run_ranks(4, discover_job, "hosts") == [((0, 1, 2, 3),)] * 4  # one machine: one node
+    for r in run_ranks(3, discover_job, "unequal"):
+        assert r[0] == "error" and "unequal size" in r[1] and "'ranks_per_node'" in r[1], r
