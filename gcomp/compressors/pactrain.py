@@ -15,7 +15,7 @@ from gcomp.collectives.shared_scale import SharedScaleCommunicator
 from gcomp.core import ALLREDUCE, Communicator, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
-from gcomp.pruning.tracker import DENSE, PACKED, TRACKING, BucketTrack, MaskTracker
+from gcomp.pruning.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker
 from gcomp.registry import register
 
 TERNARY = "ternary"
@@ -39,6 +39,9 @@ class PacTrainCompressor(Compressor):
     - ternary: first one fp32 scale per parameter segment plus two flags (MAX, so every rank shares the
       scale), then the codes t + 1 of t in {-1, 0, 1}, drawn so that E[scale * t] = value, in
       ``bitpack.lane_bits(N)``-bit fields of int64 words (SUM: each field sums to at most 2N, no carry crosses).
+
+    ``granularity="groups"`` (``prunex``'s inter-node stage) packs whole filters and channels
+    (``gcomp.pruning.groups``) instead of single entries: no per-entry index, even in memory.
     """
 
     collective = ALLREDUCE
@@ -46,8 +49,8 @@ class PacTrainCompressor(Compressor):
     stat_keys = ("packed_buckets", "freezes", "unfreezes", "mask_mismatches")
 
     def __init__(self, stable_steps: int = 5, dense_above: float = 0.9, ternary: bool = False,
-                 clip: float = 0.0, error_feedback: bool = False, seed: int = 0):
-        self.tracker = MaskTracker(stable_steps, dense_above)
+                 clip: float = 0.0, error_feedback: bool = False, seed: int = 0, granularity: str = ENTRIES):
+        self.tracker = MaskTracker(stable_steps, dense_above, granularity)
         self.ternary, self.clip, self.error_feedback, self.seed = ternary, clip, error_feedback, seed
         self.lossless = not ternary
         self.world_size, self.rank = 1, 0

@@ -22,16 +22,28 @@ _DIGEST_P = 4294967291
 
 
 def mask_of(model: nn.Module, param_name: str) -> torch.Tensor | None:
-    """The mask buffer of the parameter ``param_name`` (a ``named_parameters()`` name), or None if unpruned."""
-    if not param_name.endswith(_ORIG):
-        return None
+    """The mask buffer of the parameter ``param_name`` (a ``named_parameters()`` name), or None if unpruned.
+
+    A name taken before the model was pruned (``"conv.weight"``, which pruning renamed ``"conv.weight_orig"``)
+    finds the mask too: a hook installed before pruning still sees it.
+    """
     module_name, _, attr = param_name.rpartition(".")
     try:
         module = model.get_submodule(module_name) if module_name else model
     except AttributeError:
         return None
-    mask = module._buffers.get(attr[: -len(_ORIG)] + _MASK)
-    return mask
+    base = attr[: -len(_ORIG)] if attr.endswith(_ORIG) else attr
+    if base + _ORIG not in module._parameters:
+        return None
+    return module._buffers.get(base + _MASK)
+
+
+def parameter_of(model: nn.Module, param_name: str) -> torch.nn.Parameter:
+    """The parameter ``param_name``, also under a name taken before pruning renamed it (see :func:`mask_of`)."""
+    try:
+        return model.get_parameter(param_name)
+    except AttributeError:
+        return model.get_parameter(param_name + _ORIG)
 
 
 def named_masks(model: nn.Module) -> dict[str, torch.Tensor]:

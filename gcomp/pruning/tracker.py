@@ -28,10 +28,12 @@ import torch
 from torch import nn
 
 from gcomp.bucket import BucketInfo
-from gcomp.pruning.masks import mask_of
+from gcomp.pruning.groups import GroupSupport
+from gcomp.pruning.masks import mask_of, parameter_of
 from gcomp.pruning.support import SupportIndex, bucket_support
 
 TRACKING, PACKED, DENSE = "tracking", "packed", "dense"
+ENTRIES, GROUPS = "entries", "groups"  # what a support is made of: kept entries, or whole filters and channels
 FLAGS = 5  # changed, digest hash, digest count, -hash, -count: MAX of both signs gives max and min
 
 
@@ -51,9 +53,12 @@ class BucketTrack:
 class MaskTracker:
     """Decides, per bucket and step, whether the bucket goes dense or packed (see the module docstring)."""
 
-    def __init__(self, stable_steps: int = 5, dense_above: float = 0.9):
+    def __init__(self, stable_steps: int = 5, dense_above: float = 0.9, granularity: str = ENTRIES):
+        if granularity not in (ENTRIES, GROUPS):
+            raise ValueError(f"granularity must be {ENTRIES!r} or {GROUPS!r}, got {granularity!r}")
         self.stable_steps = stable_steps
         self.dense_above = dense_above
+        self.granularity = granularity
         self.model: nn.Module | None = None
         self.stats: dict = {}
         self.tracks: dict[str, BucketTrack] = {}
@@ -70,14 +75,16 @@ class MaskTracker:
     def _signature(self, info: BucketInfo) -> tuple:
         return tuple(None if m is None else (id(m), m._version) for m in self._masks(info))
 
-    def _build(self, info: BucketInfo, device) -> SupportIndex:
+    def _build(self, info: BucketInfo, device) -> SupportIndex | GroupSupport:
         params = []
         for name, numel, mask in zip(info.names, info.numels, self._masks(info)):
             if mask is None or self.model is None:
                 params.append((torch.Size([numel]), (1,), None))
             else:
-                p = self.model.get_parameter(name)
+                p = parameter_of(self.model, name)
                 params.append((p.size(), p.stride(), mask.to(device)))
+        if self.granularity == GROUPS:
+            return GroupSupport(params, info.numel, device)
         return SupportIndex(bucket_support(params, info.numel, device), info.numels)
 
     def decide(self, info: BucketInfo, device) -> tuple[BucketTrack, bool]:

@@ -333,3 +333,14 @@ def test_rank_disagreements_raise_on_every_rank(world):
             assert res["src_failed"].startswith("ValueError") and "data" in res["src_failed"]
         else:
             assert res["src_failed"].startswith("RuntimeError") and "rank 0 failed" in res["src_failed"]
+
+
+def test_a_name_taken_before_pruning_still_finds_the_mask_and_the_parameter():
+    from gcomp.pruning.masks import parameter_of
+    model = nn.Sequential(nn.Linear(3, 2))
+    param = model[0].weight
+    assert mask_of(model, "0.weight") is None and parameter_of(model, "0.weight") is param
+    torch_prune.random_unstructured(model[0], "weight", amount=0.5)
+    assert mask_of(model, "0.weight") is model[0].weight_mask is mask_of(model, "0.weight_orig")
+    assert parameter_of(model, "0.weight") is param is model[0].weight_orig
+    assert mask_of(model, "0.bias") is None and mask_of(model, "1.weight") is None
