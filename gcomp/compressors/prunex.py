@@ -1,0 +1,42 @@
+"""``prunex``: PruneX's communication (Olama et al., 2025): hierarchical, with the inter-node stage compacted to
+the filters and channels a structurally pruned model keeps. Prune with ``gcomp.pruning.StructuredADMM``."""
+from __future__ import annotations
+
+from typing import Annotated
+
+from gcomp.compressors.hierarchical import HierarchicalCommunicator, HierarchicalCompressor
+from gcomp.compressors.pactrain import PacTrainCommunicator, PacTrainCompressor
+from gcomp.core import Method
+from gcomp.memory import NoMemory
+from gcomp.params import Range
+from gcomp.pruning.tracker import GROUPS
+from gcomp.registry import register
+
+
+class PruneXCompressor(HierarchicalCompressor):
+    """The bucket inside the node; between leaders only its kept filters and channels (SUM, no index); broadcast.
+
+    ``hierarchical`` with pactrain's mask tracker over whole filters and channels (``gcomp.pruning.groups``).
+    On the wire, per bucket: a SUM all-reduce of the whole bucket inside the node; on each leader, across the
+    leaders' group, while the tracker checks the masks: the bucket and 5 int64 flags (MAX); once compacted:
+    a SUM all-reduce of the kept filters and channels in the bucket's dtype plus one entry flagging mask
+    changes (with ``ternary``: pactrain's scales, then 2-bit-or-wider lanes); then a broadcast inside the node.
+    """
+
+
+@register("prunex", paper="Olama, Lundell, El Hajj, Lilius, Bjorkqvist 2025 (PruneX, arXiv 2512.14628)")
+def prunex(
+    ranks_per_node: Annotated[int, Range(0, None), "ranks per node; 0: from torchrun or host names"] = 0,
+    ternary: Annotated[bool, "ternarise the compacted inter-node payload (as pactrain's ternary)"] = False,
+    stable_steps: Annotated[int, Range(1, None), "steps a bucket's masks must stay unchanged before compacting"] = 5,
+    dense_above: Annotated[float, Range(0, 1), "send a bucket uncompacted when it keeps more than this"] = 1.0,
+) -> Method:
+    """Dense SUM inside each node; between node leaders only, a dense all-reduce of the kept filters and
+    channels, copied out of the bucket as blocks (no index on the wire or per entry); broadcast in each node.
+
+    The default ``dense_above=1.0`` compacts every bucket, the unpruned ones too (a copy, plus one entry
+    that flags mask changes): so masks installed after ``gcomp.install`` (ADMM's hard prune, mid-training)
+    are noticed on every leader alike, and the compacted layout is rebuilt."""
+    inner = Method(PacTrainCompressor(stable_steps, dense_above, ternary, granularity=GROUPS), NoMemory(),
+                   PacTrainCommunicator(), name="pactrain")
+    return Method(PruneXCompressor(inner, ranks_per_node), NoMemory(), HierarchicalCommunicator())
