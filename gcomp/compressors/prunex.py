@@ -37,6 +37,7 @@ def prunex(
     The default ``dense_above=1.0`` compacts every bucket, the unpruned ones too (a copy, plus one entry
     that flags mask changes): so masks installed after ``gcomp.install`` (ADMM's hard prune, mid-training)
     are noticed on every leader alike, and the compacted layout is rebuilt."""
-    inner = Method(PacTrainCompressor(stable_steps, dense_above, ternary, granularity=GROUPS), NoMemory(),
-                   PacTrainCommunicator(), name="pactrain")
+    packer = PacTrainCompressor(stable_steps, dense_above, ternary, granularity=GROUPS)
+    packer.tracker.label = "prunex"
+    inner = Method(packer, NoMemory(), PacTrainCommunicator(), name="pactrain")
     return Method(PruneXCompressor(inner, ranks_per_node), NoMemory(), HierarchicalCommunicator())

@@ -53,6 +53,8 @@ class BucketTrack:
 class MaskTracker:
     """Decides, per bucket and step, whether the bucket goes dense or packed (see the module docstring)."""
 
+    label = "pactrain"  # the method named in warnings
+
     def __init__(self, stable_steps: int = 5, dense_above: float = 0.9, granularity: str = ENTRIES):
         if granularity not in (ENTRIES, GROUPS):
             raise ValueError(f"granularity must be {ENTRIES!r} or {GROUPS!r}, got {granularity!r}")
@@ -107,7 +109,7 @@ class MaskTracker:
 
         if track.mode == PACKED and any_changed:
             self._count("unfreezes")
-            warnings.warn(f"pactrain: the masks of bucket {info.index} changed on some rank; sending it dense and "
+            warnings.warn(f"{self.label}: the masks of bucket {info.index} changed on some rank; sending it dense and "
                           "tracking its support again", RuntimeWarning, stacklevel=2)
             track.mode, track.stable, track.support, track.buffers = TRACKING, 0, None, {}
         elif track.mode == TRACKING:
@@ -118,7 +120,7 @@ class MaskTracker:
                     return track, changed_here
                 if not any_changed:
                     self._count("mask_mismatches")
-                    warnings.warn(f"pactrain: ranks hold different masks for bucket {info.index} (their support "
+                    warnings.warn(f"{self.label}: ranks hold different masks for bucket {info.index} (their support "
                                   "digests differ); it stays a dense all-reduce and is checked again later",
                                   RuntimeWarning, stacklevel=2)
                 track.stable = 0
