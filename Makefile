@@ -4,7 +4,7 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-EXTRAS := test,examples
+EXTRAS := test,examples,bench
 
 .PHONY: install run test clean
 
@@ -15,9 +15,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[$(EXTRAS)]'
 	@touch $@
 
-# The main job for now (a later issue replaces it with `gcomp bench`).
+# The main job: the default comparison of `gcomp bench`.
 run: install
-	$(PY) examples/train.py --nproc 2 --compressor identity,fp16,topk --param topk.ratio=0.01
+	$(VENV)/bin/gcomp bench
 
 # pytest exits 5 when it collects no test: make fails then, as it should.
 test: install

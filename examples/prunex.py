@@ -156,7 +156,8 @@ def run(args) -> None:
     log(f"digits: {len(train[1])} train / {len(test[1])} test images, {world} workers as {world // args.ranks_per_node}"
         f" nodes x {args.ranks_per_node}, {args.epochs} epochs; prunex: ADMM from epoch {args.admm_start} for "
         f"{args.admm_epochs} epochs at "
-        f"sparsity {args.sparsity} (rho {args.rho}, x{args.rho_growth} every {args.interval} steps)")
+        f"sparsity {args.sparsity} (rho {args.rho}, times {args.rho_growth} at each update; Z and U updated every "
+        f"{args.interval} steps)")
     rows = [train_run(name, args, train, test, log) for name in ("dense", "prunex")]
     dense = rows[0]["inter_bytes_per_step"]  # 0 on followers: they send nothing across nodes
     for r in rows:

@@ -1,8 +1,9 @@
-"""The ``gcomp`` command: ``gcomp list``, ``gcomp describe NAME``."""
+"""The ``gcomp`` command: ``gcomp list``, ``gcomp describe NAME``, ``gcomp bench``."""
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import gcomp
 
@@ -26,6 +27,34 @@ def _describe(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from pathlib import Path
+
+    from gcomp.bench import report, runner
+    config = runner.BenchConfig()
+    for key in ("dataset", "model", "workers", "bandwidth", "steps", "batch", "lr", "seed", "eval_every",
+                "pretrain_epochs", "prune_ratio", "target_accuracy", "data_dir", "cache_dir"):
+        value = getattr(args, key)
+        if value is not None:
+            setattr(config, key, value)
+    if args.method:
+        config.methods = [m for item in args.method for m in item.split(";") if m]
+    out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        rows, network = runner.run(config, out)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"gcomp bench: {err}", file=sys.stderr)
+        return 2
+    target = report.add_derived(rows, config.target_accuracy)
+    meta = {"config": vars(config), "network": network, "target_accuracy": target}
+    paths = report.write(rows, out, meta)
+    print(f"\n{config.model} on {config.dataset}, {config.workers} workers, {network}; target accuracy "
+          f"{target if target is None else round(target, 4)}\n")
+    print(report.markdown(rows))
+    print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gcomp", description="Gradient compression for PyTorch DDP.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,6 +62,25 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("describe", help="a method's parameters, defaults, ranges and wire format")
     p.add_argument("name")
     p.set_defaults(run=_describe)
+    b = sub.add_parser("bench", help="compare methods under one harness (default: digits, 4 workers, 100mbit)")
+    b.add_argument("--method", action="append", metavar="SPEC", help="a method (name or name:key=value,...; "
+                   "torch:allreduce, torch:fp16, torch:powersgd); repeatable; default: the README's comparison")
+    b.add_argument("--dataset", help="digits, text, cifar10, cifar100 or synthetic")
+    b.add_argument("--model", help="mlp[:W1,W2], resnet18, vgg19, vit or charlm")
+    b.add_argument("--workers", type=int)
+    b.add_argument("--bandwidth", help="per-link limit: 100mbit, 500mbit, 1gbit, ... or none")
+    b.add_argument("--steps", type=int, help="training steps per method")
+    b.add_argument("--batch", type=int, help="batch size per worker")
+    b.add_argument("--lr", type=float)
+    b.add_argument("--seed", type=int)
+    b.add_argument("--eval-every", type=int, dest="eval_every")
+    b.add_argument("--pretrain-epochs", type=int, dest="pretrain_epochs", help="0: start from random weights")
+    b.add_argument("--prune-ratio", type=float, dest="prune_ratio", help="pactrain/prunex's pruning ratio")
+    b.add_argument("--target-accuracy", type=float, dest="target_accuracy")
+    b.add_argument("--data-dir", dest="data_dir", help="where cifar10/cifar100 lie (python-pickle format)")
+    b.add_argument("--cache-dir", dest="cache_dir", help="pre-trained weights cache (default ~/.cache/gcomp)")
+    b.add_argument("--out", help="results folder (default bench-results/DATE-TIME)")
+    b.set_defaults(run=_bench)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -1,0 +1,448 @@
+"""Real bandwidth limits between worker processes on one Linux machine: namespaces, a bridge, veth pairs, tbf.
+
+    python -m gcomp.bench.netem --bandwidth 100mbit --mbytes 16     # build 2 shaped workers, measure, tear down
+
+Every worker process runs inside its own network namespace, wired to one bridge in the root namespace by a veth
+pair; the worker sees a single interface ``eth0`` with address ``10.213.S.(i+1)/24`` (gloo is pointed at it
+with ``GLOO_SOCKET_IFNAME=eth0``)::
+
+       namespace <p>n0        namespace <p>n1              namespace <p>n(N-1)
+      +----------------+     +----------------+           +----------------+
+      | eth0 10.213.S.1|     | eth0 10.213.S.2|    ...    | eth0 10.213.S.N|
+      +-------+--------+     +-------+--------+           +-------+--------+
+         [tbf]|                 [tbf]|                       [tbf]|      egress of the worker's end
+              | veth pair            | veth pair                  | veth pair
+         [tbf]|                 [tbf]|                       [tbf]|      egress of the bridge's end
+            <p>v0                  <p>v1                       <p>v(N-1)
+      +-------+----------------------+----------------------------+--------+
+      |            bridge <p>br  (root namespace, no address)              |
+      +--------------------------------------------------------------------+
+
+What is shaped: when a rate is given, a ``tbf`` qdisc sits on the egress of BOTH ends of every veth pair, so each
+worker's link is limited to the rate in each direction separately (full duplex): what a worker sends is limited
+by its ``eth0``, what it receives by its bridge-side end. A packet from worker a to worker b crosses a's ``eth0``
+and b's bridge-side end, two token buckets at the same rate, so the path runs at the rate. Without a rate the
+links run at memory speed (several Gbit/s, bounded by the CPU).
+
+Measured with ``measure_throughput_bps`` (one TCP stream of 32 MB, 2-core machine): about 95 Mbit/s per link
+at ``100mbit`` (TCP/IP headers take the rest of the line rate), about 0.97 Gbit/s at ``1gbit``, 8-14 Gbit/s
+unshaped (CPU-bound). Short transfers read high at high rates: the burst and the queue absorb their first few
+hundred KB.
+
+Default burst: ``max(rate_bps / 8 / 250, 64 KiB)`` bytes, i.e. 4 ms of traffic (tc needs burst >= rate / HZ, and
+HZ can be as low as 250), and never less than one 64 KiB GSO segment, so that the kernel rarely has to split
+the large packets TCP hands to a veth. ``latency`` (default 50 ms) bounds how long a packet may queue in tbf.
+
+Names: everything one ``ShapedNetwork`` creates starts with its prefix ``gc<pid, 7 digits><3 random hex>`` (12
+characters, so ``<prefix>v<i>`` stays within Linux's 15-character interface names for up to 99 workers). The
+pid in the name lets ``cleanup_stale`` find what a killed run left behind; only names with that exact form are
+ever touched. Needs root, ``ip`` and ``tc`` (iproute2): ``permitted()`` says whether they are here and why not.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import ipaddress
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from typing import Sequence
+
+INTERFACE = "eth0"
+PREFIX = "gc"
+MAX_WORKERS = 99  # two digits after "<prefix>v" keep host-side names within IFNAMSIZ - 1 = 15 characters
+SUBNET_BASE = "10.213"
+MIN_BURST_BYTES = 64 * 1024
+HZ_FLOOR = 250  # the lowest common kernel HZ: tbf needs burst >= rate / HZ
+RATE_UNITS = {"": 1, "bit": 1, "kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000}
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(bit|kbit|mbit|gbit)?\s*$", re.IGNORECASE)
+_RATE_FORMS = ("a rate in bits per second such as 500kbit, 100mbit, 1gbit, 2.5gbit (decimal multiples, as tc) "
+               "or 'none'")
+
+
+def parse_rate(text: str) -> int | None:
+    """``"100mbit"`` -> ``100_000_000`` bits per second; ``"none"`` or ``""`` -> ``None`` (no shaping)."""
+    if text is None or text.strip().lower() in ("", "none"):
+        return None
+    match = _RATE_RE.match(text)
+    if match is None:
+        raise ValueError(f"--bandwidth: cannot read {text!r}; expected {_RATE_FORMS}")
+    rate = round(float(match.group(1)) * RATE_UNITS[(match.group(2) or "").lower()])
+    if rate <= 0:
+        raise ValueError(f"--bandwidth: {text!r} is not a positive rate; expected {_RATE_FORMS}")
+    return rate
+
+
+def default_burst_bytes(rate_bps: int) -> int:
+    """4 ms of traffic at ``rate_bps`` (tbf needs burst >= rate / HZ), at least one 64 KiB GSO segment."""
+    return max(rate_bps // 8 // HZ_FLOOR, MIN_BURST_BYTES)
+
+
+def _run(argv: Sequence[str]) -> str:
+    """Run a command; on failure a RuntimeError showing the command and its stderr."""
+    try:
+        done = subprocess.run(list(argv), check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as error:
+        raise RuntimeError(f"command failed (exit {error.returncode}): {shlex.join(argv)}\n"
+                           f"{(error.stderr or '').strip()}") from None
+    except OSError as error:
+        raise RuntimeError(f"command failed: {shlex.join(argv)}\n{error}") from None
+    return done.stdout
+
+
+def _run_quietly(argv: Sequence[str]) -> bool:
+    """Run a command whose failure is expected at times (deleting what may be gone already)."""
+    try:
+        return subprocess.run(list(argv), capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def namespace_names() -> list[str]:
+    """Every network namespace that ``ip netns`` knows, by name."""
+    return [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines() if line.strip()]
+
+
+def link_names() -> list[str]:
+    """Every interface in the root namespace, by name (without the ``@peer`` suffix)."""
+    names = []
+    for line in _run(["ip", "-o", "link", "show"]).splitlines():
+        fields = line.split(": ", 2)
+        if len(fields) >= 2:
+            names.append(fields[1].split("@")[0])
+    return names
+
+
+def _new_prefix() -> str:
+    """``gc<pid, 7 digits><3 random hex>``: unique per run, and the pid says whether its owner is still alive."""
+    return f"{PREFIX}{os.getpid() % 10**7:07d}{secrets.token_hex(2)[:3]}"
+
+
+def permitted() -> tuple[bool, str]:
+    """Whether namespaces, veth pairs and tbf can be created here: ``(True, "")`` or ``(False, why)``."""
+    try:
+        if os.geteuid() != 0:
+            return False, "bandwidth shaping needs root: running unshaped"
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                return False, f"bandwidth shaping needs '{tool}' (iproute2) on PATH: running unshaped"
+        return _probe()
+    except Exception as error:  # never raise: the caller only wants to know whether to shape
+        return False, f"bandwidth shaping is unavailable ({error}): running unshaped"
+
+
+def _probe() -> tuple[bool, str]:
+    """Build a bridge, a veth pair and a tbf inside a throwaway namespace (nothing outside it is touched)."""
+    namespace = _new_prefix() + "probe"
+    try:
+        _run(["ip", "netns", "add", namespace])
+        _run(["ip", "-n", namespace, "link", "add", "pbr", "type", "bridge"])
+        _run(["ip", "-n", namespace, "link", "add", "pa", "type", "veth", "peer", "name", "pb"])
+        _run(["tc", "-n", namespace, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit", "burst", "16000",
+              "latency", "50ms"])
+    except RuntimeError as error:
+        reason = str(error).splitlines()[-1]
+        return False, f"cannot create network namespaces, veth pairs or tbf here ({reason}): running unshaped"
+    finally:
+        _run_quietly(["ip", "netns", "del", namespace])
+    return True, ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _delete(namespaces: Sequence[str], links: Sequence[str]) -> None:
+    """Delete namespaces (which takes their veth ends, and so the pairs) then root-namespace links, quietly."""
+    for name in namespaces:
+        _run_quietly(["ip", "netns", "del", name])
+    for name in links:
+        _run_quietly(["ip", "link", "del", name])
+
+
+def cleanup_stale(prefix: str = PREFIX) -> list[str]:
+    """Remove namespaces and links named ``<prefix><pid, 7 digits><3 hex>...`` whose pid is no longer alive.
+
+    Returns the names removed. Anything whose owner still runs, or whose name has another form, is left alone.
+    """
+    owner = re.compile(rf"^{re.escape(prefix)}(\d{{7}})[0-9a-f]{{3}}")
+    namespaces, links = namespace_names(), link_names()
+
+    def stale(name: str) -> bool:
+        match = owner.match(name)
+        return match is not None and not _pid_alive(int(match.group(1)))
+
+    doomed_namespaces, doomed_links = [n for n in namespaces if stale(n)], [n for n in links if stale(n)]
+    doomed = doomed_namespaces + doomed_links
+    _delete(doomed_namespaces, doomed_links)
+    remaining = set(namespace_names()) | set(link_names())
+    return [name for name in doomed if name not in remaining]
+
+
+def _free_subnet(seed: int) -> ipaddress.IPv4Network:
+    """A ``10.213.S.0/24`` that overlaps no IPv4 address or route of the root namespace, starting from ``seed``.
+
+    The workers' namespaces have routing tables of their own, so an overlap would not break them; avoiding it
+    keeps ``ip addr`` and packet captures on the host unambiguous.
+    """
+    used = []
+    for line in (_run(["ip", "-4", "-o", "addr", "show"]) + _run(["ip", "-4", "route", "show"])).splitlines():
+        for token in line.split():
+            try:
+                used.append(ipaddress.ip_network(token, strict=False))
+            except ValueError:
+                continue
+    for step in range(256):
+        subnet = ipaddress.ip_network(f"{SUBNET_BASE}.{(seed + step) % 256}.0/24")
+        if not any(subnet.overlaps(other) for other in used if other.version == 4 and other.prefixlen > 0):
+            return subnet
+    raise RuntimeError(f"no free /24 left in {SUBNET_BASE}.0.0/16 for the shaped network")
+
+
+class ShapedNetwork:
+    """``workers`` network namespaces on one bridge, each link limited to ``rate_bps`` in both directions.
+
+    A context manager: ``__enter__`` builds the topology (see the module docstring), ``__exit__`` / ``close``
+    delete everything it created, also after a failure halfway through ``__enter__``, on Ctrl-C, on SIGTERM
+    (while active, SIGTERM means clean up and exit with status 143) and at interpreter exit. ``rate_bps=None``
+    builds the same topology unshaped. Worker ``i`` runs as ``prefix_command(i, argv)`` with ``env(i)`` added to
+    its environment, and is reached at ``addresses[i]``.
+    """
+
+    def __init__(self, workers: int, rate_bps: int | None, *, burst_bytes: int | None = None,
+                 latency_ms: float = 50.0):
+        if not 1 <= workers <= MAX_WORKERS:
+            raise ValueError(f"ShapedNetwork: workers must be within 1..{MAX_WORKERS}; got {workers!r}")
+        if rate_bps is not None and rate_bps <= 0:
+            raise ValueError(f"ShapedNetwork: rate_bps must be positive or None; got {rate_bps!r}")
+        if not latency_ms > 0:
+            raise ValueError(f"ShapedNetwork: latency_ms must be positive; got {latency_ms!r}")
+        self.workers = workers
+        self.rate_bps = rate_bps
+        if burst_bytes is None and rate_bps is not None:
+            burst_bytes = default_burst_bytes(rate_bps)
+        self.burst_bytes = burst_bytes
+        self.latency_ms = latency_ms
+        self.interface = INTERFACE
+        self.prefix = ""
+        self.bridge = ""
+        self.namespaces: list[str] = []
+        self.addresses: list[str] = []
+        self._owner_pid = os.getpid()
+        self._active = False
+        self._previous_sigterm = None
+        self._sigterm_installed = False
+
+    # -- building ---------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> ShapedNetwork:
+        if self._active:
+            raise RuntimeError("ShapedNetwork: already entered")
+        self._owner_pid = os.getpid()
+        self._active = True
+        atexit.register(self._close_at_exit)
+        self._install_sigterm()
+        try:
+            self._build()
+        except BaseException:  # KeyboardInterrupt too: delete what was created, then re-raise
+            self._close_quietly()
+            raise
+        return self
+
+    def _build(self) -> None:
+        self.prefix = self._unused_prefix()
+        self.bridge = f"{self.prefix}br"
+        subnet = _free_subnet(int(self.prefix[-3:], 16))
+        self.namespaces = [f"{self.prefix}n{i}" for i in range(self.workers)]
+        self.addresses = [str(subnet.network_address + i + 1) for i in range(self.workers)]
+        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+        _run(["ip", "link", "set", self.bridge, "up"])
+        for i in range(self.workers):
+            self._add_worker(i, subnet.prefixlen)
+
+    def _unused_prefix(self) -> str:
+        taken = namespace_names() + link_names()
+        for _ in range(100):
+            prefix = _new_prefix()
+            if not any(name.startswith(prefix) for name in taken):
+                return prefix
+        raise RuntimeError("ShapedNetwork: no unused name prefix found")
+
+    def _host_end(self, i: int) -> str:
+        return f"{self.prefix}v{i}"
+
+    def _add_worker(self, i: int, prefixlen: int) -> None:
+        namespace, host_end = self.namespaces[i], self._host_end(i)
+        _run(["ip", "netns", "add", namespace])
+        _run(["ip", "-n", namespace, "link", "set", "lo", "up"])
+        # Created with its peer already inside the namespace as eth0: no temporary name in the root namespace.
+        _run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", self.interface, "netns", namespace])
+        _run(["ip", "link", "set", host_end, "master", self.bridge, "up"])
+        _run(["ip", "-n", namespace, "addr", "add", f"{self.addresses[i]}/{prefixlen}", "dev", self.interface])
+        _run(["ip", "-n", namespace, "link", "set", self.interface, "up"])
+        if self.rate_bps is not None:
+            self._add_tbf(self.interface, namespace)  # what the worker sends
+            self._add_tbf(host_end, None)  # what the worker receives
+
+    def _add_tbf(self, device: str, namespace: str | None) -> None:
+        where = ["-n", namespace] if namespace is not None else []
+        _run(["tc", *where, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{self.rate_bps}bit",
+              "burst", str(self.burst_bytes), "latency", f"{self.latency_ms:g}ms"])
+
+    # -- using --------------------------------------------------------------------------------------------------
+
+    def prefix_command(self, i: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside worker ``i``'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[i], *argv]
+
+    def env(self, i: int) -> dict[str, str]:
+        """Environment worker ``i`` needs on top of its own: gloo must use the shaped interface."""
+        return {"GLOO_SOCKET_IFNAME": self.interface}
+
+    # -- tearing down -------------------------------------------------------------------------------------------
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Delete every namespace and link with this network's prefix; safe to call again, or after a failure."""
+        if os.getpid() != self._owner_pid:
+            return  # a forked child must not tear down its parent's network
+        self._active = False
+        atexit.unregister(self._close_at_exit)
+        self._restore_sigterm()
+        if not self.prefix:
+            return
+        for _ in range(2):  # a second pass for what a first deletion could not reach yet
+            namespaces, links = self._leftovers()
+            if not namespaces and not links:
+                return
+            _delete(namespaces, links)
+        namespaces, links = self._leftovers()
+        if namespaces or links:
+            raise RuntimeError(f"ShapedNetwork: could not delete {', '.join(namespaces + links)}")
+
+    def _leftovers(self) -> tuple[list[str], list[str]]:
+        """Namespaces and links that still carry this network's prefix (unique to this run, so all ours)."""
+        return ([name for name in namespace_names() if name.startswith(self.prefix)],
+                [name for name in link_names() if name.startswith(self.prefix)])
+
+    def _close_quietly(self) -> None:
+        try:
+            self.close()
+        except Exception as error:
+            print(f"gcomp.bench.netem: cleanup failed: {error}", file=sys.stderr)
+
+    def _close_at_exit(self) -> None:
+        self._close_quietly()
+
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._sigterm_installed = True
+
+    def _restore_sigterm(self) -> None:
+        if not self._sigterm_installed or threading.current_thread() is not threading.main_thread():
+            return
+        self._sigterm_installed = False
+        # Only if still ours: a handler installed after ours (say, a second network) stays in place.
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._previous_sigterm if self._previous_sigterm is not None
+                          else signal.SIG_DFL)
+
+    def _on_sigterm(self, signum: int, frame) -> None:
+        previous = self._previous_sigterm
+        self._close_quietly()
+        if callable(previous):
+            previous(signum, frame)
+        raise SystemExit(128 + signum)
+
+
+# -- measuring ----------------------------------------------------------------------------------------------------
+
+_RECEIVER = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], 0))
+server.settimeout(float(sys.argv[2]))
+print(server.getsockname()[1], flush=True)
+conn, _ = server.accept()
+conn.settimeout(float(sys.argv[2]))
+conn.recv(1 << 16)  # the clock starts after the first chunk, so the connection setup is not timed
+start, received = time.perf_counter(), 0
+while chunk := conn.recv(1 << 20):
+    received += len(chunk)
+print(received, time.perf_counter() - start, flush=True)
+"""
+
+_SENDER = """
+import socket, sys
+chunk, left = bytes(1 << 20), int(sys.argv[3])
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[4])) as conn:
+    while left > 0:
+        conn.sendall(chunk[:min(left, len(chunk))])
+        left -= len(chunk)
+    conn.shutdown(socket.SHUT_WR)
+    conn.recv(1)
+"""
+
+
+def measure_throughput_bps(network: ShapedNetwork, sender: int, receiver: int, nbytes: int = 4_000_000,
+                           timeout_s: float = 30.0) -> float:
+    """Bits per second of one TCP stream of ``nbytes`` from worker ``sender`` to worker ``receiver``."""
+    receive = subprocess.Popen(network.prefix_command(receiver, [sys.executable, "-c", _RECEIVER,
+                                                                 network.addresses[receiver], str(timeout_s)]),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = receive.stdout.readline().strip()
+        if not port:
+            raise RuntimeError(f"throughput receiver did not start: {receive.stderr.read().strip()}")
+        _run(network.prefix_command(sender, [sys.executable, "-c", _SENDER, network.addresses[receiver], port,
+                                             str(nbytes), str(timeout_s)]))
+        out, err = receive.communicate(timeout=timeout_s)
+    finally:
+        if receive.poll() is None:
+            receive.kill()
+            receive.wait()
+    if receive.returncode != 0:
+        raise RuntimeError(f"throughput receiver failed: {err.strip()}")
+    received, elapsed = out.split()
+    return int(received) * 8 / float(elapsed)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m gcomp.bench.netem", description=__doc__.split("\n")[0])
+    parser.add_argument("--bandwidth", default="100mbit", help=_RATE_FORMS)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--mbytes", type=float, default=16.0, help="MB sent from worker 0 to worker 1")
+    parser.add_argument("--cleanup-stale", action="store_true", help="only remove what dead runs left behind")
+    args = parser.parse_args(argv)
+    ok, why = permitted()
+    if not ok:
+        raise SystemExit(why)
+    if args.cleanup_stale:
+        print("\n".join(cleanup_stale()) or "nothing stale")
+        return
+    try:
+        rate = parse_rate(args.bandwidth)
+    except ValueError as error:
+        parser.error(str(error))
+    with ShapedNetwork(max(args.workers, 2), rate) as network:
+        bps = measure_throughput_bps(network, 0, 1, int(args.mbytes * 1e6))
+    print(f"{args.bandwidth}: {bps / 1e6:.1f} Mbit/s measured (one TCP stream, worker 0 -> worker 1)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""One benchmark worker: ``python -m gcomp.bench.worker CONFIG.json`` on every rank (env:// rendezvous).
+
+Every method of the config runs in turn on the same process group, from the same (pre-trained) weights, with
+the same data shards, batches, optimizer and schedule. Per step, rank 0 records its wall time and the hook's
+counters; the split into compute, encode, communicate and decode is:
+
+- encode / decode: the hook's own host timers (``encode_s``, ``decode_s``);
+- compute: forward + backward + optimizer with communication switched off (``ddp.no_sync()``), timed after
+  the run on the same batches, as a median;
+- communicate: the rest of the step (what DDP waited for); communication that overlaps backward is hidden.
+
+Test accuracy is measured every ``eval_every`` steps on rank 0, outside the timed steps. Rank 0 writes the
+rows to ``config["output"]``.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import gcomp
+from gcomp.bench.methods import MethodSpec, TorchHook, parse_method
+from gcomp.bench.workloads import Data, accuracy, load_data, loss_fn, make_model
+from gcomp.pruning import kept_fraction, prune
+
+COMPUTE_SAMPLES = 5
+
+
+def batches(data: Data, rank: int, world: int, batch: int, seed: int):
+    """An endless, seeded stream of this rank's batches (its shard, reshuffled every epoch)."""
+    x, y = data.shard(rank, world)
+    epoch = 0
+    while True:
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        for i in range(0, len(y) - batch + 1, batch):
+            idx = order[i:i + batch]
+            yield x[idx], y[idx]
+        epoch += 1
+
+
+def build(method: MethodSpec, config: dict, data: Data, pretrained: dict | None):
+    model = make_model(config["model"], data, config["seed"])
+    if pretrained is not None:
+        model.load_state_dict(pretrained)
+    if method.prunes:
+        prune(model, config["prune_ratio"], config["prune_method"], data=(data.train[0][:512], data.train[1][:512]),
+              seed=config["seed"])
+    # broadcast_buffers=False for every method: DDP would otherwise re-send every pruning mask (as large as
+    # the weights) from rank 0 at each forward; prune() already made the masks equal on every rank.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1e6 if method.one_bucket else config["bucket_cap_mb"],
+                                  broadcast_buffers=False)
+    if method.is_torch:
+        stats = TorchHook(method.name, ddp).stats
+    else:
+        stats = gcomp.install(ddp, method.name, **method.params).stats
+    return model, ddp, stats
+
+
+def run_method(method: MethodSpec, config: dict, data: Data, pretrained: dict | None, log) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ddp, stats = build(method, config, data, pretrained)
+    opt = torch.optim.SGD(ddp.parameters(), lr=config["lr"], momentum=config["momentum"])
+    stream = batches(data, rank, world, config["batch"], config["seed"])
+    steps, kept = config["steps"], kept_fraction(model)
+    times, losses, counters, history, clock = [], [], [], [], 0.0
+    eval_every = config["eval_every"]
+    for step in range(steps):
+        x, y = next(stream)
+        start = time.perf_counter()
+        loss = loss_fn(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        elapsed = time.perf_counter() - start
+        clock += elapsed
+        times.append(elapsed)
+        losses.append(loss.detach())
+        counters.append({k: stats[k] for k in ("bytes_sent", "bytes_dense", "encode_s", "decode_s")})
+        if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            history.append({"step": step + 1, "train_s": clock, "accuracy": accuracy(model, data.test)})
+            log(f"  {method.label}: step {step + 1}/{steps}  {1000 * statistics.mean(times[-eval_every:]):.1f} "
+                f"ms/step  test accuracy {history[-1]['accuracy']:.4f}")
+    compute = compute_time(ddp, opt, stream)
+    dist.barrier()
+    return summarise(method, config, times, losses, counters, history, compute, kept, world,
+                     sum(p.numel() for p in model.parameters()))
+
+
+def compute_time(ddp, opt, stream) -> float:
+    """Median time of forward + backward + optimizer step with no communication (``no_sync``); the step is
+    taken on zeroed gradients with lr 0, so the model does not move."""
+    samples = []
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    for _ in range(COMPUTE_SAMPLES):
+        x, y = next(stream)
+        start = time.perf_counter()
+        with ddp.no_sync():
+            loss = loss_fn(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+        opt.step()
+        samples.append(time.perf_counter() - start)
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    opt.zero_grad()
+    return statistics.median(samples)
+
+
+def summarise(method, config, times, losses, counters, history, compute, kept, world, params) -> dict:
+    """One results row. Per-step figures are means over the steady half of the run (the second half: past
+    the hook's warm-up and pactrain's tracking steps)."""
+    steps = len(times)
+    half = steps // 2
+    steady = range(half, steps)
+
+    def per_step(key):
+        before = counters[half - 1][key] if half else 0
+        return (counters[-1][key] - before) / max(len(steady), 1)
+
+    step_s = statistics.mean(times[half:]) if steps else 0.0
+    encode, decode = per_step("encode_s"), per_step("decode_s")
+    return {"method": method.label, "name": method.name, "params": method.params, "collective": method.collective,
+            "workers": world, "model": config["model"], "dataset": config["dataset"], "steps": steps,
+            "bandwidth": config["bandwidth"], "bandwidth_bps": config["bandwidth_bps"],
+            "step_s": step_s, "compute_s_per_step": compute, "encode_s_per_step": encode,
+            "decode_s_per_step": decode, "comm_s_per_step": max(step_s - compute - encode - decode, 0.0),
+            "bytes_sent_per_step": per_step("bytes_sent"), "bytes_dense_per_step": per_step("bytes_dense"),
+            "bytes_sent_total": counters[-1]["bytes_sent"] if counters else 0,
+            "train_s": sum(times), "final_loss": float(losses[-1]) if losses else None,
+            "final_accuracy": history[-1]["accuracy"] if history else None, "history": history,
+            "step_times": times, "losses": [float(v) for v in losses], "kept_fraction": kept, "parameters": params,
+            "one_bucket": method.one_bucket}
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = json.loads(open((argv or sys.argv[1:])[0]).read())
+    dist.init_process_group("gloo", timeout=timedelta(seconds=config.get("timeout_s", 300)))
+    torch.set_num_threads(config.get("threads", 1))
+    rank = dist.get_rank()
+    log = (lambda text: print(text, flush=True)) if rank == 0 and config.get("verbose", True) else (lambda text: None)
+    try:
+        data = load_data(config["dataset"], data_dir=config.get("data_dir"), seed=config["seed"])
+        pretrained = torch.load(config["pretrained"], weights_only=True) if config.get("pretrained") else None
+        rows = []
+        for text in config["methods"]:
+            log(f"== {text}")
+            rows.append(run_method(parse_method(text), config, data, pretrained, log))
+        if rank == 0:
+            with open(config["output"], "w") as fh:
+                json.dump(rows, fh)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,288 @@
+"""The alpha-beta model of ``gcomp.bench.simulate`` against costs worked out by hand."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from gcomp.bench.simulate import (COLLECTIVES, Network, Profile, bandwidth_label, comm_time, main, markdown,
+                                  model_error, plot, project, step_time)
+
+ALPHA = 50e-6
+MBIT100 = Network(1e8, ALPHA)  # beta = 8 / 1e8 = 8e-8 s/byte
+GBIT = Network(1e9, ALPHA)  # beta = 8 / 1e9 = 8e-9 s/byte
+INTRA = Network(1e10, 5e-6)  # beta = 8 / 1e10 = 8e-10 s/byte
+
+
+def test_collective_names_are_gcomps():
+    assert COLLECTIVES == ("allreduce", "allgather", "point-to-point", "hierarchical")
+
+
+def test_ring_allreduce():
+    # 2*3/4 * 1e6 * 8e-8 + 2*3 * 50e-6 = 1.5 * 0.08 + 0.0003 = 0.12 + 0.0003
+    assert comm_time("allreduce", 1e6, 4, MBIT100) == pytest.approx(0.1203)
+    assert comm_time("allreduce", 1e6, 1, MBIT100) == 0.0
+
+
+def test_ring_allgather():
+    # 3 * 1e6 * 8e-9 + 3 * 50e-6 = 0.024 + 0.00015
+    assert comm_time("allgather", 1e6, 4, GBIT) == pytest.approx(0.02415)
+    assert comm_time("allgather", 1e6, 1, GBIT) == 0.0
+
+
+def test_spardl():
+    # 2*7/8 * 1e6 * 8e-9 + 2*ceil(log2 8) * 50e-6 = 0.014 + 6 * 50e-6 = 0.014 + 0.0003
+    assert comm_time("point-to-point", 1e6, 8, GBIT, method="spardl") == pytest.approx(0.0143)
+    assert comm_time("point-to-point", 1e6, 1, GBIT, method="spardl") == 0.0
+
+
+def test_gtopk():
+    # ceil(log2 5) = 3 rounds up and 3 down: 6 * (1e5 * 8e-9 + 50e-6) = 6 * 8.5e-4
+    assert comm_time("point-to-point", 1e5, 5, GBIT, method="gtopk") == pytest.approx(5.1e-3)
+    assert comm_time("point-to-point", 1e5, 1, GBIT, method="gtopk") == 0.0
+
+
+def test_hierarchical_two_nodes_of_two():
+    # intra all-reduce (G=2): 2*1/2 * 1e6 * 8e-10 + 2*1 * 5e-6  = 8e-4 + 1e-5  = 8.1e-4
+    # inner all-reduce (M=2): 2*1/2 * 1e5 * 8e-9  + 2*1 * 50e-6 = 8e-4 + 1e-4  = 9e-4
+    # intra broadcast: ceil(log2 2) = 1 * (1e6 * 8e-10 + 5e-6)   = 8e-4 + 5e-6  = 8.05e-4
+    got = comm_time("hierarchical", 1e5, 4, GBIT, ranks_per_node=2, intra=INTRA, dense_bytes=1e6)
+    assert got == pytest.approx(8.1e-4 + 9e-4 + 8.05e-4)
+
+
+def test_hierarchical_edge_cases():
+    # Without an intra network the inter-node link is used inside the nodes too:
+    # 2 * (8e-3 + 1e-4) [dense all-reduce over G=2 and the inner one over M=2, both 1e6 B at 1 Gbit/s] + 8e-3 + 5e-5
+    got = comm_time("hierarchical", 1e6, 4, GBIT, ranks_per_node=2, dense_bytes=1e6)
+    assert got == pytest.approx(2 * (8e-3 + 1e-4) + 8e-3 + 5e-5)
+    # One rank per node: no intra stage, only the inner all-reduce over the 4 leaders.
+    flat = comm_time("hierarchical", 1e6, 4, MBIT100, dense_bytes=1e6)
+    assert flat == pytest.approx(comm_time("allreduce", 1e6, 4, MBIT100))
+    # A point-to-point inner collective across the 2 leaders: 2*1/2 * 1e5 * 8e-9 + 2*1 * 50e-6 = 8e-4 + 1e-4.
+    inner_spardl = comm_time("hierarchical", 1e5, 2, GBIT, method="spardl", dense_bytes=1e6, inner="point-to-point")
+    assert inner_spardl == pytest.approx(9e-4)
+    assert comm_time("hierarchical", 1e5, 1, GBIT, dense_bytes=1e6) == 0.0
+    with pytest.raises(ValueError, match="dense_bytes"):
+        comm_time("hierarchical", 1e5, 4, GBIT, ranks_per_node=2)
+    with pytest.raises(ValueError, match="multiple of ranks_per_node"):
+        comm_time("hierarchical", 1e5, 6, GBIT, ranks_per_node=4, dense_bytes=1e6)
+
+
+@pytest.mark.parametrize("text, bps", [("100mbit", 1e8), ("1gbit", 1e9), ("100gbit", 1e11), ("10Gbit", 1e10),
+                                       (" 2.5GBIT ", 2.5e9), ("500kbit", 5e5)])
+def test_network_parse(text, bps):
+    network = Network.parse(text, alpha_s=1e-6)
+    assert network == Network(bps, 1e-6)
+    assert network.beta_s == pytest.approx(8 / bps)
+
+
+@pytest.mark.parametrize("text", ["", "1g", "100mb", "1gbps", "fast", "-1gbit", "0gbit", "1e9", "gbit", None])
+def test_network_parse_rejects(text):
+    with pytest.raises(ValueError):
+        Network.parse(text)
+
+
+def test_network_rejects_bad_numbers_and_labels_round_trip():
+    with pytest.raises(ValueError):
+        Network(0.0)
+    with pytest.raises(ValueError):
+        Network(1e9, alpha_s=-1.0)
+    for text in ("100mbit", "1gbit", "10gbit", "100gbit", "2.5gbit"):
+        assert bandwidth_label(Network.parse(text).bandwidth_bps) == text
+
+
+def test_comm_time_errors():
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        comm_time("broadcast", 1e6, 4, GBIT)
+    with pytest.raises(ValueError, match="unknown method 'topk'"):
+        comm_time("point-to-point", 1e6, 4, GBIT, method="topk")
+    for workers in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="workers"):
+            comm_time("allreduce", 1e6, workers, GBIT)
+    with pytest.raises(ValueError, match="nbytes"):
+        comm_time("allreduce", -1.0, 4, GBIT)
+
+
+def dense_profile(**kw) -> Profile:
+    return Profile("identity", "allreduce", bytes_sent=1e6, bytes_dense=1e6, compute_s=0.1, encode_s=0.0,
+                   decode_s=0.0, **kw)
+
+
+def topk_profile(**kw) -> Profile:
+    return Profile("topk", "allgather", bytes_sent=1e5, bytes_dense=1e6, compute_s=0.1, encode_s=0.01,
+                   decode_s=0.005, **kw)
+
+
+def test_step_time_adds_local_work_and_communication():
+    # 0.1 + 0.01 + 0.005 + [3 * 1e5 * 8e-8 + 3 * 50e-6 = 0.024 + 0.00015]
+    assert step_time(topk_profile(), 4, MBIT100) == pytest.approx(0.115 + 0.02415)
+    assert step_time(topk_profile(), 1, MBIT100) == pytest.approx(0.115)
+
+
+def test_step_time_of_a_hierarchical_profile_reduces_its_dense_bytes_inside_nodes():
+    profile = Profile("hierarchical", "hierarchical", bytes_sent=1e5, bytes_dense=1e6, compute_s=0.1, encode_s=0.0,
+                      decode_s=0.0)
+    # The same 2 x 2 case as test_hierarchical_two_nodes_of_two, plus 0.1 s of compute.
+    got = step_time(profile, 4, GBIT, ranks_per_node=2, intra=INTRA)
+    assert got == pytest.approx(0.1 + 8.1e-4 + 9e-4 + 8.05e-4)
+
+
+def test_project_speedups_and_time_to_accuracy():
+    profiles = [dense_profile(steps_to_target=1000), topk_profile(steps_to_target=1200),
+                Profile("never", "allreduce", 5e5, 1e6, 0.1, 0.0, 0.0)]
+    rows = project(profiles, [1, 4], [MBIT100])
+    assert len(rows) == 6
+    by_key = {(row["method"], row["workers"]): row for row in rows}
+    # P=4 at 100 Mbit/s:
+    # identity: 0.1 + [2*3/4 * 1e6 * 8e-8 + 6 * 50e-6 = 0.1203]  = 0.2203 s; TTA 1000 * 0.2203 = 220.3 s
+    # topk:     0.115 + [3 * 1e5 * 8e-8 + 3 * 50e-6 = 0.02415]   = 0.13915 s; TTA 1200 * 0.13915 = 166.98 s
+    dense, topk, never = by_key["identity", 4], by_key["topk", 4], by_key["never", 4]
+    assert dense["step_s"] == pytest.approx(0.2203) and dense["comm_s"] == pytest.approx(0.1203)
+    assert dense["speedup_vs_baseline"] == pytest.approx(1.0) and dense["tta_speedup"] == pytest.approx(1.0)
+    assert topk["step_s"] == pytest.approx(0.13915) and topk["comm_s"] == pytest.approx(0.02415)
+    assert topk["speedup_vs_baseline"] == pytest.approx(0.2203 / 0.13915)
+    assert topk["tta_s"] == pytest.approx(166.98)
+    assert topk["tta_speedup"] == pytest.approx(220.3 / 166.98)
+    # never: 0.1 + [2*3/4 * 5e5 * 8e-8 + 6 * 50e-6 = 0.0603] = 0.1603 s; it never reaches the target.
+    assert never["speedup_vs_baseline"] == pytest.approx(0.2203 / 0.1603)
+    assert never["tta_s"] is None and never["tta_speedup"] is None
+    # P=1: no communication; identity 0.1 s, topk 0.115 s (it only pays for its codec).
+    assert by_key["topk", 1]["speedup_vs_baseline"] == pytest.approx(0.1 / 0.115)
+    assert by_key["topk", 1]["comm_s"] == 0.0
+    assert topk["bandwidth"] == "100mbit" and topk["bandwidth_bps"] == 1e8 and topk["alpha_s"] == ALPHA
+
+
+def test_project_without_the_baselines_reached_target_has_no_tta_speedup():
+    rows = project([dense_profile(), topk_profile(steps_to_target=10)], [4], [GBIT])
+    assert [row["tta_speedup"] for row in rows] == [None, None]
+    assert rows[1]["tta_s"] is not None
+
+
+def test_project_needs_the_baseline():
+    with pytest.raises(ValueError, match="baseline method 'identity'.*topk"):
+        project([topk_profile()], [4], [GBIT])
+    assert len(project([topk_profile()], [4, 8], [GBIT, MBIT100], baseline="topk")) == 4
+
+
+def test_model_error_against_a_known_measurement():
+    measured = dense_profile(measured_step_s=0.25, measured_workers=4, measured_bandwidth_bps=1e8)
+    unmeasured = topk_profile(measured_step_s=0.2, measured_workers=4)  # unshaped: no bandwidth
+    rows = model_error([measured, unmeasured], network_alpha_s=ALPHA)
+    assert len(rows) == 1
+    # predicted 0.1 + 0.1203 = 0.2203 s; (0.2203 - 0.25) / 0.25 = -0.1188
+    assert rows[0]["predicted_s"] == pytest.approx(0.2203)
+    assert rows[0]["measured_s"] == 0.25
+    assert rows[0]["rel_error"] == pytest.approx(-0.1188)
+    assert rows[0]["bandwidth"] == "100mbit" and rows[0]["workers"] == 4
+
+
+def row(method, collective, workers, bandwidth_bps, bytes_sent, step_s=None, steps_to_target=None) -> dict:
+    return {"method": method, "collective": collective, "bytes_sent_per_step": bytes_sent,
+            "bytes_dense_per_step": 1e6, "compute_s_per_step": 0.1, "encode_s_per_step": 0.001,
+            "decode_s_per_step": 0.002, "steps_to_target": steps_to_target, "step_s": step_s,
+            "workers": workers, "bandwidth_bps": bandwidth_bps}
+
+
+def test_profile_from_row():
+    full = Profile.from_row(row("topk", "allgather", 4, 1e9, 1e5, step_s=0.2, steps_to_target=300))
+    assert full == Profile("topk", "allgather", 1e5, 1e6, 0.1, 0.001, 0.002, steps_to_target=300,
+                           measured_step_s=0.2, measured_workers=4, measured_bandwidth_bps=1e9, kind="topk")
+    bare = {key: value for key, value in row("identity", "allreduce", 4, 1e9, 1e6).items()
+            if key not in ("steps_to_target", "step_s", "workers", "bandwidth_bps")}
+    assert Profile.from_row(bare) == Profile("identity", "allreduce", 1e6, 1e6, 0.1, 0.001, 0.002, kind="identity")
+    with pytest.raises(ValueError, match="compute_s_per_step"):
+        Profile.from_row({key: value for key, value in bare.items() if key != "compute_s_per_step"})
+
+
+def test_markdown_table():
+    table = markdown([{"method": "identity", "step_s": 0.123456, "tta_s": None}, {"method": "topk", "extra": 3}])
+    lines = table.splitlines()
+    assert lines[0] == "| method | step_s | tta_s | extra |"
+    assert lines[1] == "|---|---|---|---|"
+    assert lines[2] == "| identity | 0.1235 | - | - |"
+    assert lines[3] == "| topk | - | - | 3 |"
+    assert markdown([]) == "(no rows)"
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = project([dense_profile(), topk_profile()], [8, 16], [GBIT, MBIT100])
+    plot(rows, tmp_path / "speedup.png")
+    assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def write_results(path, runs) -> None:
+    path.write_text(json.dumps({"runs": runs}))
+
+
+def test_main_writes_the_projection(tmp_path, capsys):
+    results = tmp_path / "results.json"
+    write_results(results, [
+        row("identity", "allreduce", 2, 1e9, 1e6, step_s=0.12, steps_to_target=100),
+        row("identity", "allreduce", 4, 1e9, 1e6, step_s=0.13, steps_to_target=100),
+        row("topk", "allgather", 4, None, 1e5, step_s=0.11, steps_to_target=120),  # unshaped: no model error
+    ])
+    out = tmp_path / "out"
+    assert main(["--results", str(results), "--workers", "8", "16", "--bandwidth", "1gbit", "10gbit",
+                 "--out", str(out)]) == 0
+    written = json.loads((out / "simulate.json").read_text())
+    assert len(written["rows"]) == 2 * 2 * 2  # methods x workers x bandwidths
+    assert len(written["model_error"]) == 2  # the two shaped identity runs
+    assert {r["method"] for r in written["rows"]} == {"identity", "topk"}
+    assert written["settings"]["alpha_s"] == pytest.approx(ALPHA)
+    printed = capsys.readouterr().out
+    assert "| method | collective | workers |" in printed and "Model error" in printed
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "simulate.png").stat().st_size > 0
+    else:
+        assert "no simulate.png" in capsys.readouterr().err
+
+
+def test_main_writes_next_to_the_results_by_default(tmp_path):
+    results = tmp_path / "results.json"
+    write_results(results, [row("identity", "allreduce", 4, 1e9, 1e6)])
+    assert main(["--results", str(results), "--workers", "8", "--bandwidth", "1gbit"]) == 0
+    assert len(json.loads((tmp_path / "simulate.json").read_text())["rows"]) == 1
+
+
+def test_main_uses_each_methods_largest_run(tmp_path):
+    results = tmp_path / "results.json"
+    # The 2-worker identity run hands over 1e6 B, the 8-worker one 2e6 B: the latter must be the profile.
+    write_results(results, [row("identity", "allreduce", 8, None, 2e6), row("identity", "allreduce", 2, None, 1e6)])
+    main(["--results", str(results), "--workers", "4", "--bandwidth", "100mbit", "--out", str(tmp_path)])
+    (projected,) = json.loads((tmp_path / "simulate.json").read_text())["rows"]
+    # 0.1 + 0.001 + 0.002 + [2*3/4 * 2e6 * 8e-8 + 6 * 50e-6 = 0.24 + 0.0003]
+    assert projected["step_s"] == pytest.approx(0.103 + 0.2403)
+
+
+def test_main_explains_bad_input(tmp_path):
+    with pytest.raises(SystemExit, match="results file .*missing.json.* not found"):
+        main(["--results", str(tmp_path / "missing.json")])
+    empty = tmp_path / "empty.json"
+    write_results(empty, [])
+    with pytest.raises(SystemExit, match="has no runs"):
+        main(["--results", str(empty)])
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(SystemExit, match="cannot read"):
+        main(["--results", str(broken)])
+    no_baseline = tmp_path / "topk.json"
+    write_results(no_baseline, [row("topk", "allgather", 4, 1e9, 1e5)])
+    with pytest.raises(SystemExit, match="baseline method 'identity'"):
+        main(["--results", str(no_baseline)])
+    with pytest.raises(SystemExit, match="bandwidth must look like"):
+        main(["--results", str(no_baseline), "--baseline", "topk", "--bandwidth", "fast"])
+
+
+def test_point_to_point_rows_are_brought_back_to_one_selection():
+    # measured at P=4 with k = 11,264 entries of 8 bytes (90,112 bytes): spardl sends 2*3/4 of that per rank,
+    # gtopk's root sends it once per tree level (log2 4 = 2)
+    base = {"collective": "point-to-point", "bytes_dense_per_step": 4.5e6, "compute_s_per_step": 0.01,
+            "encode_s_per_step": 0.0, "decode_s_per_step": 0.0, "workers": 4}
+    spardl = Profile.from_row({**base, "method": "spardl:density=0.01", "name": "spardl", "bytes_sent_per_step": 135168})
+    gtopk = Profile.from_row({**base, "method": "gtopk", "name": "gtopk", "bytes_sent_per_step": 180224})
+    assert spardl.bytes_sent == 90112 and spardl.kind == "spardl"
+    assert gtopk.bytes_sent == 90112
+    net = Network(1e8, alpha_s=0.0)
+    assert step_time(spardl, 4, net) == pytest.approx(0.01 + 135168 * 8 / 1e8)  # the measured bytes again at P=4
