@@ -1,4 +1,4 @@
-"""The ``gcomp`` command: ``gcomp list``, ``gcomp describe NAME``, ``gcomp bench``."""
+"""The ``gcomp`` command: ``gcomp list``, ``gcomp describe NAME``, ``gcomp bench``, ``gcomp simulate``."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +56,10 @@ def _bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["simulate"]:
+        from gcomp.bench import simulate
+        return simulate.main(argv[1:])
     parser = argparse.ArgumentParser(prog="gcomp", description="Gradient compression for PyTorch DDP.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="registered methods, their collective and a one-line summary").set_defaults(run=_list)
@@ -81,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--cache-dir", dest="cache_dir", help="pre-trained weights cache (default ~/.cache/gcomp)")
     b.add_argument("--out", help="results folder (default bench-results/DATE-TIME)")
     b.set_defaults(run=_bench)
+    # listed for --help; its options are the simulate module's own, so main() hands them over unparsed
+    sub.add_parser("simulate", add_help=False, help="project a bench run's results.json to 8..1024 workers and "
+                   "100mbit..100gbit (gcomp simulate --help for its options)")
     args = parser.parse_args(argv)
     return args.run(args)
 

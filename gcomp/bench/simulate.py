@@ -1,6 +1,6 @@
 """Project step time and time-to-accuracy of gradient-compression methods to large clusters (alpha-beta model).
 
-    python -m gcomp.bench.simulate --results results.json --workers 8 16 32 64 --bandwidth 1gbit 10gbit
+    gcomp simulate --results results.json --workers 8 16 32 64 --bandwidth 1gbit 10gbit   # or python -m gcomp.bench.simulate
 
 A benchmark run measures, per optimizer step and per rank, what each method computes (forward, backward,
 optimizer, encode, decode) and how many bytes it hands to its collective. Here those measurements are combined
@@ -389,7 +389,7 @@ def largest_run_per_method(runs: Sequence[dict]) -> list[dict]:
 
 
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m gcomp.bench.simulate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gcomp simulate", description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, required=True, help="results.json of a benchmark run")
     parser.add_argument("--workers", type=int, nargs="+", default=list(DEFAULT_WORKERS))
     parser.add_argument("--bandwidth", nargs="+", default=list(DEFAULT_BANDWIDTHS), help="e.g. 1gbit 10gbit")

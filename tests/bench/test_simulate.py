@@ -286,3 +286,18 @@ def test_point_to_point_rows_are_brought_back_to_one_selection():
     assert gtopk.bytes_sent == 90112
     net = Network(1e8, alpha_s=0.0)
     assert step_time(spardl, 4, net) == pytest.approx(0.01 + 135168 * 8 / 1e8)  # the measured bytes again at P=4
+
+
+def test_gcomp_simulate_runs_the_model_from_the_command_line(tmp_path, capsys):
+    from gcomp.cli import main as gcomp_main
+    results = tmp_path / "results.json"
+    base = {"collective": "allreduce", "bytes_dense_per_step": 4e6, "compute_s_per_step": 0.01,
+            "encode_s_per_step": 0.0, "decode_s_per_step": 0.0, "workers": 4, "step_s": 0.5,
+            "bandwidth_bps": 1e8, "steps_to_target": 10}
+    rows = [{**base, "method": "identity", "bytes_sent_per_step": 4e6},
+            {**base, "method": "fp16", "bytes_sent_per_step": 2e6}]
+    results.write_text(json.dumps({"runs": rows}))
+    assert gcomp_main(["simulate", "--results", str(results), "--workers", "8", "16", "--bandwidth", "1gbit"]) == 0
+    out = json.loads((tmp_path / "simulate.json").read_text())
+    assert len(out["rows"]) == 2 * 2 * 1  # methods x worker counts x bandwidths
+    assert "| fp16 |" in capsys.readouterr().out
