@@ -31,6 +31,8 @@ def _bench(args) -> int:
     from pathlib import Path
 
     from gcomp.bench import report, runner
+    if args.codec:
+        return _codec(args)
     config = runner.BenchConfig()
     for key in ("dataset", "model", "workers", "bandwidth", "steps", "batch", "lr", "seed", "eval_every",
                 "pretrain_epochs", "prune_ratio", "target_accuracy", "data_dir", "cache_dir"):
@@ -52,6 +54,29 @@ def _bench(args) -> int:
           f"{target if target is None else round(target, 4)}\n")
     print(report.markdown(rows))
     print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
+    return 0
+
+
+def _codec(args) -> int:
+    import csv
+    import json
+    from pathlib import Path
+
+    from gcomp.bench import codec_table
+    methods = [m for item in args.method for m in item.split(";") if m] if args.method else None
+    unknown = [m for m in methods or [] if m not in gcomp.available()]
+    if unknown:
+        print(f"gcomp bench --codec: unknown method(s) {', '.join(unknown)}; gcomp list shows them", file=sys.stderr)
+        return 2
+    rows = codec_table.run(args.sizes_mb, methods, seed=args.seed or 0)
+    out = Path(args.out or f"bench-results/codec-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "codec.json").write_text(json.dumps(rows, indent=1))
+    with open(out / "codec.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print("\n" + codec_table.markdown(rows) + f"\n\ncodec.json, codec.csv: {out}")
     return 0
 
 
@@ -84,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--data-dir", dest="data_dir", help="where cifar10/cifar100 lie (python-pickle format)")
     b.add_argument("--cache-dir", dest="cache_dir", help="pre-trained weights cache (default ~/.cache/gcomp)")
     b.add_argument("--out", help="results folder (default bench-results/DATE-TIME)")
+    b.add_argument("--codec", action="store_true", help="instead: every method's encode+decode time on one rank "
+                   "as a ratio to a copy of the bucket, and its bits per entry")
+    b.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64], dest="sizes_mb",
+                   help="--codec: bucket sizes in MB")
     b.set_defaults(run=_bench)
     # listed for --help; its options are the simulate module's own, so main() hands them over unparsed
     sub.add_parser("simulate", add_help=False, help="project a bench run's results.json to 8..1024 workers and "

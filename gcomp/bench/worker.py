@@ -70,6 +70,7 @@ def run_method(method: MethodSpec, config: dict, data: Data, pretrained: dict | 
     steps, kept = config["steps"], kept_fraction(model)
     times, losses, counters, history, clock = [], [], [], [], 0.0
     eval_every = config["eval_every"]
+    bar = progress(steps, method.label, rank == 0 and config.get("verbose", True))
     for step in range(steps):
         x, y = next(stream)
         start = time.perf_counter()
@@ -82,14 +83,36 @@ def run_method(method: MethodSpec, config: dict, data: Data, pretrained: dict | 
         times.append(elapsed)
         losses.append(loss.detach())
         counters.append({k: stats[k] for k in ("bytes_sent", "bytes_dense", "encode_s", "decode_s")})
+        bar.update()
         if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
             history.append({"step": step + 1, "train_s": clock, "accuracy": accuracy(model, data.test)})
-            log(f"  {method.label}: step {step + 1}/{steps}  {1000 * statistics.mean(times[-eval_every:]):.1f} "
-                f"ms/step  test accuracy {history[-1]['accuracy']:.4f}")
+            ms = 1000 * statistics.mean(times[-eval_every:])
+            getattr(bar, "write", log)(f"  {method.label}: step {step + 1}/{steps}  {ms:.1f} ms/step  "
+                                       f"test accuracy {history[-1]['accuracy']:.4f}")
+    bar.close()
     compute = compute_time(ddp, opt, stream)
     dist.barrier()
     return summarise(method, config, times, losses, counters, history, compute, kept, world,
                      sum(p.numel() for p in model.parameters()))
+
+
+class _NoBar:
+    def update(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress(steps: int, label: str, shown: bool):
+    """A progress bar on rank 0's terminal (tqdm; none when the output is not a terminal or tqdm is absent)."""
+    if not shown:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=steps, desc=label, unit="step", leave=False, disable=None, dynamic_ncols=True)
 
 
 def compute_time(ddp, opt, stream) -> float:

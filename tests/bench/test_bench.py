@@ -100,3 +100,20 @@ def test_a_brief_unshaped_run_writes_every_output(tmp_path, capsys):
 def test_bad_bench_arguments_fail_before_any_worker(tmp_path, capsys):
     assert main(["bench", "--method", "topkk", "--out", str(tmp_path / "x")]) == 2
     assert "did you mean" in capsys.readouterr().err
+
+
+def test_codec_table_reports_ratios_to_a_copy_and_bits_per_entry(tmp_path, capsys):
+    out = tmp_path / "codec"
+    assert main(["bench", "--codec", "--sizes-mb", "0.0625", "0.25", "--method", "identity;fp16;topk;pactrain",
+                 "--out", str(out)]) == 0
+    rows = json.loads((out / "codec.json").read_text())
+    assert [(r["method"], r["size_mb"]) for r in rows] == [(m, s) for s in (0.0625, 0.25)
+                                                           for m in ("identity", "fp16", "topk", "pactrain")]
+    bits = {r["method"]: r["bits_per_entry"] for r in rows if r["size_mb"] == 0.25}
+    assert bits["identity"] == 32 and bits["fp16"] == 16
+    assert bits["topk"] == pytest.approx(64 * 0.01, rel=0.01)  # value + int32 index for 1% of the entries
+    assert 15 < bits["pactrain"] < 17  # the kept half, packed, plus one flag entry
+    assert all(r["copy_s"] > 0 and r["codec_ratio"] >= 0 for r in rows)
+    printed = capsys.readouterr().out
+    assert "| topk | 0.64 |" in printed and (out / "codec.csv").exists()
+    assert main(["bench", "--codec", "--method", "topkk", "--out", str(out)]) == 2
