@@ -13,6 +13,10 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[$(EXTRAS)]'
+	@# gcomp bench shapes links with ip and tc (iproute2): installed here where missing and possible
+	@command -v tc >/dev/null && command -v ip >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get install -y -qq iproute2 >/dev/null; } || \
+	  echo "note: iproute2 (ip, tc) is missing and could not be installed: gcomp bench will run unshaped"
 	@touch $@
 
 # The main job: the default comparison of `gcomp bench`.

@@ -390,7 +390,9 @@ def largest_run_per_method(runs: Sequence[dict]) -> list[dict]:
 
 def _parse_args(argv):
     parser = argparse.ArgumentParser(prog="gcomp simulate", description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, required=True, help="results.json of a benchmark run")
+    parser.add_argument("--results", type=Path, nargs="+", required=True,
+                        help="results.json of one or more benchmark runs (runs at several worker counts and "
+                             "bandwidths check the model against more measurements)")
     parser.add_argument("--workers", type=int, nargs="+", default=list(DEFAULT_WORKERS))
     parser.add_argument("--bandwidth", nargs="+", default=list(DEFAULT_BANDWIDTHS), help="e.g. 1gbit 10gbit")
     parser.add_argument("--alpha-us", type=float, default=DEFAULT_ALPHA_S * 1e6, help="latency per message")
@@ -405,7 +407,7 @@ def main(argv=None) -> int:
     """CLI: project the profiles of a results file, print the tables, write ``simulate.json`` and
     ``simulate.png`` (the plot is skipped, with a note, when matplotlib is not installed)."""
     args = _parse_args(argv)
-    runs = load_runs(args.results)
+    runs = [run for path in args.results for run in load_runs(path)]
     alpha_s = args.alpha_us * 1e-6
     try:
         networks = [Network.parse(text, alpha_s) for text in args.bandwidth]
@@ -419,7 +421,7 @@ def main(argv=None) -> int:
     print(markdown(rows))
     print("\nModel error against the measured runs:\n")
     print(markdown(errors))
-    out = args.out or args.results.parent
+    out = args.out or args.results[0].parent
     out.mkdir(parents=True, exist_ok=True)
     settings = {"workers": args.workers, "bandwidth": args.bandwidth, "alpha_s": alpha_s,
                 "baseline": args.baseline, "ranks_per_node": args.ranks_per_node,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import pytest
 import torch
@@ -117,3 +118,19 @@ def test_codec_table_reports_ratios_to_a_copy_and_bits_per_entry(tmp_path, capsy
     printed = capsys.readouterr().out
     assert "| topk | 0.64 |" in printed and (out / "codec.csv").exists()
     assert main(["bench", "--codec", "--method", "topkk", "--out", str(out)]) == 2
+
+
+def test_a_brief_shaped_run_goes_through_namespaces_or_says_why_not(tmp_path, capsys):
+    from gcomp.bench import netem
+    ok, why = netem.permitted()
+    if not ok:
+        pytest.skip(why)
+    out = tmp_path / "shaped"
+    assert main(["bench", "--workers", "2", "--bandwidth", "1gbit", "--steps", "4", "--eval-every", "2",
+                 "--model", "mlp:32", "--pretrain-epochs", "0", "--out", str(out), "--method", "identity"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["network"].startswith("shaped: 2 namespaces")
+    [run] = results["runs"]
+    assert run["bandwidth"] == "1gbit" and run["bandwidth_bps"] == 1e9 and run["steps"] == 4
+    mine = netem.PREFIX + f"{os.getpid() % 10**7:07d}"  # the names this process gave its namespaces
+    assert not [n for n in netem.namespace_names() if n.startswith(mine)]
