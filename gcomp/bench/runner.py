@@ -131,6 +131,8 @@ def _launch(config: BenchConfig, config_path: Path, master: str, shaped) -> None
             argv = [sys.executable, "-m", "gcomp.bench.worker", str(config_path)]
             if shaped is not None:
                 env.update(shaped.env(rank))
+                # c10d warns, once per worker, that a namespace's address has no host name: true and harmless
+                env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
                 argv = shaped.prefix_command(rank, argv)
             procs.append(subprocess.Popen(argv, env=env))
         failed = [p.wait() for p in procs]
