@@ -60,8 +60,8 @@ MAX_WORKERS = 99  # two digits after "<prefix>v" keep host-side names within IFN
 SUBNET_BASE = "10.213"
 MIN_BURST_BYTES = 64 * 1024
 HZ_FLOOR = 250  # the lowest common kernel HZ: tbf needs burst >= rate / HZ
-RATE_UNITS = {"": 1, "bit": 1, "kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000}
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(bit|kbit|mbit|gbit)?\s*$", re.IGNORECASE)
+RATE_UNITS = {"": 1, "bit": 1, "kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000, "tbit": 1_000_000_000_000}
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(bit|kbit|mbit|gbit|tbit)?\s*$", re.IGNORECASE)
 _RATE_FORMS = ("a rate in bits per second such as 500kbit, 100mbit, 1gbit, 2.5gbit (decimal multiples, as tc) "
                "or 'none'")
 
