@@ -1,6 +1,6 @@
 """Real bandwidth limits between worker processes on one Linux machine: namespaces, a bridge, veth pairs, tbf.
 
-    python -m gcomp.bench.netem --bandwidth 100mbit --mbytes 16     # build 2 shaped workers, measure, tear down
+    python -m gcomp.bench.throughput --bandwidth 100mbit --mbytes 16     # build 2 shaped workers, measure, tear down
 
 Every worker process runs inside its own network namespace, wired to one bridge in the root namespace by a veth
 pair; the worker sees a single interface ``eth0`` with address ``10.213.S.(i+1)/24`` (gloo is pointed at it
@@ -24,7 +24,7 @@ by its ``eth0``, what it receives by its bridge-side end. A packet from worker a
 and b's bridge-side end, two token buckets at the same rate, so the path runs at the rate. Without a rate the
 links run at memory speed (several Gbit/s, bounded by the CPU).
 
-Measured with ``measure_throughput_bps`` (one TCP stream of 32 MB, 2-core machine): about 95 Mbit/s per link
+Measured with ``gcomp.bench.throughput`` (one TCP stream of 32 MB, 2-core machine): about 95 Mbit/s per link
 at ``100mbit`` (TCP/IP headers take the rest of the line rate), about 0.97 Gbit/s at ``1gbit``, 8-14 Gbit/s
 unshaped (CPU-bound). Short transfers read high at high rates: the burst and the queue absorb their first few
 hundred KB.
@@ -40,7 +40,6 @@ ever touched. Needs root, ``ip`` and ``tc`` (iproute2): ``permitted()`` says whe
 """
 from __future__ import annotations
 
-import argparse
 import atexit
 import ipaddress
 import os
@@ -62,7 +61,7 @@ MIN_BURST_BYTES = 64 * 1024
 HZ_FLOOR = 250  # the lowest common kernel HZ: tbf needs burst >= rate / HZ
 RATE_UNITS = {"": 1, "bit": 1, "kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000, "tbit": 1_000_000_000_000}
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(bit|kbit|mbit|gbit|tbit)?\s*$", re.IGNORECASE)
-_RATE_FORMS = ("a rate in bits per second such as 500kbit, 100mbit, 1gbit, 2.5gbit (decimal multiples, as tc) "
+RATE_FORMS = ("a rate in bits per second such as 500kbit, 100mbit, 1gbit, 2.5gbit (decimal multiples, as tc) "
                "or 'none'")
 
 
@@ -72,10 +71,10 @@ def parse_rate(text: str) -> int | None:
         return None
     match = _RATE_RE.match(text)
     if match is None:
-        raise ValueError(f"--bandwidth: cannot read {text!r}; expected {_RATE_FORMS}")
+        raise ValueError(f"--bandwidth: cannot read {text!r}; expected {RATE_FORMS}")
     rate = round(float(match.group(1)) * RATE_UNITS[(match.group(2) or "").lower()])
     if rate <= 0:
-        raise ValueError(f"--bandwidth: {text!r} is not a positive rate; expected {_RATE_FORMS}")
+        raise ValueError(f"--bandwidth: {text!r} is not a positive rate; expected {RATE_FORMS}")
     return rate
 
 
@@ -84,7 +83,7 @@ def default_burst_bytes(rate_bps: int) -> int:
     return max(rate_bps // 8 // HZ_FLOOR, MIN_BURST_BYTES)
 
 
-def _run(argv: Sequence[str]) -> str:
+def run_command(argv: Sequence[str]) -> str:
     """Run a command; on failure a RuntimeError showing the command and its stderr."""
     try:
         done = subprocess.run(list(argv), check=True, capture_output=True, text=True)
@@ -106,13 +105,13 @@ def _run_quietly(argv: Sequence[str]) -> bool:
 
 def namespace_names() -> list[str]:
     """Every network namespace that ``ip netns`` knows, by name."""
-    return [line.split()[0] for line in _run(["ip", "netns", "list"]).splitlines() if line.strip()]
+    return [line.split()[0] for line in run_command(["ip", "netns", "list"]).splitlines() if line.strip()]
 
 
 def link_names() -> list[str]:
     """Every interface in the root namespace, by name (without the ``@peer`` suffix)."""
     names = []
-    for line in _run(["ip", "-o", "link", "show"]).splitlines():
+    for line in run_command(["ip", "-o", "link", "show"]).splitlines():
         fields = line.split(": ", 2)
         if len(fields) >= 2:
             names.append(fields[1].split("@")[0])
@@ -141,10 +140,10 @@ def _probe() -> tuple[bool, str]:
     """Build a bridge, a veth pair and a tbf inside a throwaway namespace (nothing outside it is touched)."""
     namespace = _new_prefix() + "probe"
     try:
-        _run(["ip", "netns", "add", namespace])
-        _run(["ip", "-n", namespace, "link", "add", "pbr", "type", "bridge"])
-        _run(["ip", "-n", namespace, "link", "add", "pa", "type", "veth", "peer", "name", "pb"])
-        _run(["tc", "-n", namespace, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit", "burst", "16000",
+        run_command(["ip", "netns", "add", namespace])
+        run_command(["ip", "-n", namespace, "link", "add", "pbr", "type", "bridge"])
+        run_command(["ip", "-n", namespace, "link", "add", "pa", "type", "veth", "peer", "name", "pb"])
+        run_command(["tc", "-n", namespace, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit", "burst", "16000",
               "latency", "50ms"])
     except RuntimeError as error:
         reason = str(error).splitlines()[-1]
@@ -198,7 +197,7 @@ def _free_subnet(seed: int) -> ipaddress.IPv4Network:
     keeps ``ip addr`` and packet captures on the host unambiguous.
     """
     used = []
-    for line in (_run(["ip", "-4", "-o", "addr", "show"]) + _run(["ip", "-4", "route", "show"])).splitlines():
+    for line in (run_command(["ip", "-4", "-o", "addr", "show"]) + run_command(["ip", "-4", "route", "show"])).splitlines():
         for token in line.split():
             try:
                 used.append(ipaddress.ip_network(token, strict=False))
@@ -267,8 +266,8 @@ class ShapedNetwork:
         subnet = _free_subnet(int(self.prefix[-3:], 16))
         self.namespaces = [f"{self.prefix}n{i}" for i in range(self.workers)]
         self.addresses = [str(subnet.network_address + i + 1) for i in range(self.workers)]
-        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-        _run(["ip", "link", "set", self.bridge, "up"])
+        run_command(["ip", "link", "add", self.bridge, "type", "bridge"])
+        run_command(["ip", "link", "set", self.bridge, "up"])
         for i in range(self.workers):
             self._add_worker(i, subnet.prefixlen)
 
@@ -285,20 +284,20 @@ class ShapedNetwork:
 
     def _add_worker(self, i: int, prefixlen: int) -> None:
         namespace, host_end = self.namespaces[i], self._host_end(i)
-        _run(["ip", "netns", "add", namespace])
-        _run(["ip", "-n", namespace, "link", "set", "lo", "up"])
+        run_command(["ip", "netns", "add", namespace])
+        run_command(["ip", "-n", namespace, "link", "set", "lo", "up"])
         # Created with its peer already inside the namespace as eth0: no temporary name in the root namespace.
-        _run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", self.interface, "netns", namespace])
-        _run(["ip", "link", "set", host_end, "master", self.bridge, "up"])
-        _run(["ip", "-n", namespace, "addr", "add", f"{self.addresses[i]}/{prefixlen}", "dev", self.interface])
-        _run(["ip", "-n", namespace, "link", "set", self.interface, "up"])
+        run_command(["ip", "link", "add", host_end, "type", "veth", "peer", "name", self.interface, "netns", namespace])
+        run_command(["ip", "link", "set", host_end, "master", self.bridge, "up"])
+        run_command(["ip", "-n", namespace, "addr", "add", f"{self.addresses[i]}/{prefixlen}", "dev", self.interface])
+        run_command(["ip", "-n", namespace, "link", "set", self.interface, "up"])
         if self.rate_bps is not None:
             self._add_tbf(self.interface, namespace)  # what the worker sends
             self._add_tbf(host_end, None)  # what the worker receives
 
     def _add_tbf(self, device: str, namespace: str | None) -> None:
         where = ["-n", namespace] if namespace is not None else []
-        _run(["tc", *where, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{self.rate_bps}bit",
+        run_command(["tc", *where, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{self.rate_bps}bit",
               "burst", str(self.burst_bytes), "latency", f"{self.latency_ms:g}ms"])
 
     # -- using --------------------------------------------------------------------------------------------------
@@ -369,80 +368,3 @@ class ShapedNetwork:
         if callable(previous):
             previous(signum, frame)
         raise SystemExit(128 + signum)
-
-
-# -- measuring ----------------------------------------------------------------------------------------------------
-
-_RECEIVER = """
-import socket, sys, time
-server = socket.create_server((sys.argv[1], 0))
-server.settimeout(float(sys.argv[2]))
-print(server.getsockname()[1], flush=True)
-conn, _ = server.accept()
-conn.settimeout(float(sys.argv[2]))
-conn.recv(1 << 16)  # the clock starts after the first chunk, so the connection setup is not timed
-start, received = time.perf_counter(), 0
-while chunk := conn.recv(1 << 20):
-    received += len(chunk)
-print(received, time.perf_counter() - start, flush=True)
-"""
-
-_SENDER = """
-import socket, sys
-chunk, left = bytes(1 << 20), int(sys.argv[3])
-with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[4])) as conn:
-    while left > 0:
-        conn.sendall(chunk[:min(left, len(chunk))])
-        left -= len(chunk)
-    conn.shutdown(socket.SHUT_WR)
-    conn.recv(1)
-"""
-
-
-def measure_throughput_bps(network: ShapedNetwork, sender: int, receiver: int, nbytes: int = 4_000_000,
-                           timeout_s: float = 30.0) -> float:
-    """Bits per second of one TCP stream of ``nbytes`` from worker ``sender`` to worker ``receiver``."""
-    receive = subprocess.Popen(network.prefix_command(receiver, [sys.executable, "-c", _RECEIVER,
-                                                                 network.addresses[receiver], str(timeout_s)]),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        port = receive.stdout.readline().strip()
-        if not port:
-            raise RuntimeError(f"throughput receiver did not start: {receive.stderr.read().strip()}")
-        _run(network.prefix_command(sender, [sys.executable, "-c", _SENDER, network.addresses[receiver], port,
-                                             str(nbytes), str(timeout_s)]))
-        out, err = receive.communicate(timeout=timeout_s)
-    finally:
-        if receive.poll() is None:
-            receive.kill()
-            receive.wait()
-    if receive.returncode != 0:
-        raise RuntimeError(f"throughput receiver failed: {err.strip()}")
-    received, elapsed = out.split()
-    return int(received) * 8 / float(elapsed)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gcomp.bench.netem", description=__doc__.split("\n")[0])
-    parser.add_argument("--bandwidth", default="100mbit", help=_RATE_FORMS)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--mbytes", type=float, default=16.0, help="MB sent from worker 0 to worker 1")
-    parser.add_argument("--cleanup-stale", action="store_true", help="only remove what dead runs left behind")
-    args = parser.parse_args(argv)
-    ok, why = permitted()
-    if not ok:
-        raise SystemExit(why)
-    if args.cleanup_stale:
-        print("\n".join(cleanup_stale()) or "nothing stale")
-        return
-    try:
-        rate = parse_rate(args.bandwidth)
-    except ValueError as error:
-        parser.error(str(error))
-    with ShapedNetwork(max(args.workers, 2), rate) as network:
-        bps = measure_throughput_bps(network, 0, 1, int(args.mbytes * 1e6))
-    print(f"{args.bandwidth}: {bps / 1e6:.1f} Mbit/s measured (one TCP stream, worker 0 -> worker 1)")
-
-
-if __name__ == "__main__":
-    main()

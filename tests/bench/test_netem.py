@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from gcomp.bench import netem
-from gcomp.bench.netem import ShapedNetwork, cleanup_stale, measure_throughput_bps, parse_rate, permitted
+from gcomp.bench.netem import ShapedNetwork, cleanup_stale, parse_rate, permitted
+from gcomp.bench.throughput import measure_throughput_bps
 
 NETEM_PATH = netem.__file__
 
