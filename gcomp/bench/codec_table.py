@@ -15,7 +15,6 @@ medians, operations interleaved within every repeat (``gcomp.bench.codec.median_
 """
 from __future__ import annotations
 
-import socket
 import time
 from datetime import timedelta
 
@@ -26,6 +25,7 @@ from torch.nn.utils import prune as torch_prune
 
 import gcomp
 from gcomp.bench.codec import median_times
+from gcomp.bench.runner import free_port
 
 ROW_WIDTH = 256  # the pruned buckets are (numel / 256, 256) weights
 FROZEN_AFTER = 4  # reductions before timing: pactrain/prunex (stable_steps=1) have frozen by then
@@ -65,10 +65,7 @@ def _one_rank_group() -> bool:
     """Start a one-rank gloo group unless one is running; True when this call started it."""
     if dist.is_initialized():
         return False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=120))
     return True
 

@@ -52,7 +52,8 @@ class BenchConfig:
     verbose: bool = True
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (for a rendezvous)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -122,7 +123,7 @@ def run(config: BenchConfig, out: Path, log=print) -> tuple[list[dict], str]:
 
 
 def _launch(config: BenchConfig, config_path: Path, master: str, shaped) -> None:
-    port = _free_port() if shaped is None else 29500 + os.getpid() % 1000
+    port = free_port() if shaped is None else 29500 + os.getpid() % 1000
     procs = []
     try:
         for rank in range(config.workers):
