@@ -4,7 +4,8 @@
     state = gcomp.install(ddp_model, "topk", ratio=0.01)   # one hook, any registered method
 """
 from gcomp.bucket import BucketInfo
-from gcomp.core import ALLGATHER, ALLREDUCE, POINT_TO_POINT, Communicator, Compressor, Memory, Method, Payload
+from gcomp.core import (ALLGATHER, ALLREDUCE, HIERARCHICAL, POINT_TO_POINT, Communicator, Compressor, Memory, Method,
+                        Payload)
 from gcomp.hook import HookState, install
 from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.params import OneOf, Range
@@ -14,6 +15,6 @@ from gcomp import compressors, pruning  # noqa: E402,F401  (registers the built-
 
 __version__ = "0.1.0"
 
-__all__ = ["ALLGATHER", "ALLREDUCE", "BucketInfo", "Communicator", "Compressor", "HookState", "Memory", "Method",
-           "NoMemory", "OneOf", "POINT_TO_POINT", "Payload", "Range", "ResidualMemory", "UnknownMethodError", "available", "create",
-           "describe", "install", "register", "spec"]
+__all__ = ["ALLGATHER", "ALLREDUCE", "BucketInfo", "Communicator", "Compressor", "HIERARCHICAL", "HookState", "Memory",
+           "Method", "NoMemory", "OneOf", "POINT_TO_POINT", "Payload", "Range", "ResidualMemory", "UnknownMethodError",
+           "available", "create", "describe", "install", "register", "spec"]

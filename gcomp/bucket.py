@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+INT32_LIMIT = 2**31 - 1  # positions into a bucket travel as int32 up to here, as int64 past it
+
+
+def index_dtype(length: int) -> torch.dtype:
+    """The dtype of positions into ``length`` entries: int32, int64 past 2**31 entries."""
+    return torch.int32 if length <= INT32_LIMIT else torch.int64
+
 
 @dataclass(frozen=True)
 class BucketInfo:

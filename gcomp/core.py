@@ -1,14 +1,20 @@
-"""The three small abstract types every method is built from, and the payload they pass.
+"""The three small abstract types every method is built from, the payload they pass, and every call between them.
 
 One bucket flows as::
 
-    flat grads -> Memory.compensate -> Compressor.compress -> Payload
+    flat grads -> Memory.compensate -> Compressor.compress -> Payload -> Memory.update
                -> Communicator.exchange (collectives, chained futures)
-               -> Communicator.decode (Compressor.decompress or .aggregate) -> Memory already updated
+               -> Communicator.decode (by the collective kind: Compressor.decompress or .aggregate)
                -> mean gradient returned to DDP
 
 The hook divides the bucket by the world size before compressing (as PyTorch's own hooks do), so every
 sum over ranks that follows is already the mean.
+
+Who calls what, and nothing else: the hook calls the ``Method``'s parts in that order; ``Memory.update`` calls
+``Compressor.decompress``; a ``Communicator`` calls the collectives and the compressor methods declared here or
+on the codec base class it takes by type (``ChainedCompressor.second_round`` in ``gcomp.collectives.chained``,
+``ScheduledCompressor.program`` in ``gcomp.collectives.scheduled``). Statistics reach a communicator as an
+argument; a compressor gets the same dict once, in ``bind``, for its own ``stat_keys``.
 """
 from __future__ import annotations
 
@@ -21,9 +27,15 @@ import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
 
+# The collective kinds: how payloads of several ranks are combined (a compressor's and its communicator's
+# ``collective`` must match).
 ALLREDUCE = "allreduce"
 ALLGATHER = "allgather"
 POINT_TO_POINT = "point-to-point"
+HIERARCHICAL = "hierarchical"
+COLLECTIVES = (ALLREDUCE, ALLGATHER, POINT_TO_POINT, HIERARCHICAL)
+
+SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
 
 
 @dataclass
@@ -31,19 +43,35 @@ class Payload:
     """What one rank hands to the collectives for one bucket.
 
     ``tensors`` go on the wire (their bytes are counted in ``bytes_sent``); ``ctx`` stays local and is
-    whatever the compressor needs to decode (shape, dtype, selected indices, ...).
+    whatever the compressor needs to decode (shape, dtype, selected indices, ...). ``ops`` is, for all-reduce
+    payloads, the reduce op of each tensor (``SUM`` for every tensor when empty; ``MAX`` for flags and scales).
     """
 
     tensors: list[torch.Tensor]
     ctx: Any = None
+    ops: tuple = ()
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
+    def op(self, i: int):
+        """The all-reduce op of ``tensors[i]``."""
+        return self.ops[i] if self.ops else SUM
+
+
+def check_state_keys(owner: object, state: dict, allowed: Sequence[str]) -> None:
+    """Raise a clear error when a checkpoint holds keys ``owner`` does not know."""
+    unknown = set(state) - set(allowed)
+    if unknown:
+        raise ValueError(f"{type(owner).__name__}: unexpected keys {sorted(unknown)}")
+
 
 class _Checkpointed:
-    """Default checkpointing for a part that keeps no state; stateful parts override both methods."""
+    """Default checkpointing for a part that keeps no state; stateful parts override both methods.
+
+    ``state_dict`` holds tensors and plain values only (``torch.load(weights_only=True)`` reads it back), keyed
+    by parameter name or layout, never by DDP's bucket index alone."""
 
     def state_dict(self) -> dict:
         return {}
@@ -58,11 +86,11 @@ class Compressor(_Checkpointed, ABC):
 
     Contract:
     - ``collective`` says how payloads of several ranks may be combined: ``"allreduce"`` when they can be
-      summed element-wise on the wire (then ``decompress(sum of payloads) == sum of decompress(payload)``,
-      exactly for lossless codecs, in expectation for stochastic ones), or ``"allgather"`` when each rank's
-      payload must be seen separately and combined by ``aggregate``; or ``"point-to-point"`` when the method
-      runs a schedule of messages of its own (SparDL, gTop-k: ``program``, run by a ``ProgramCommunicator``).
-      Such a payload carries no tensors, the communicator counts each message in ``bytes_sent``.
+      reduced element-wise on the wire (then ``decompress(sum of payloads) == sum of decompress(payload)``,
+      exactly for lossless codecs, in expectation for stochastic ones), ``"allgather"`` when each rank's
+      payload must be seen separately and combined by ``aggregate``, ``"point-to-point"`` when the method
+      runs a schedule of messages of its own (``gcomp.collectives.scheduled.ScheduledCompressor``), or
+      ``"hierarchical"`` (``gcomp.compressors.hierarchical``).
     - ``decompress(compress(x).tensors, ctx)`` has the shape and dtype of ``x``.
     - ``lossless`` is true only when that round trip is exact.
     - Randomness comes from a ``torch.Generator`` the compressor owns, saved in ``state_dict``.
@@ -71,7 +99,10 @@ class Compressor(_Checkpointed, ABC):
 
     collective: ClassVar[str] = ALLREDUCE
     lossless: ClassVar[bool] = False
-    stat_keys: ClassVar[tuple[str, ...]] = ()  # extra counters this codec adds to ``HookState.stats``
+    # True when the codec keeps per-bucket state across steps (momentum, a tracker, residuals of its own):
+    # the hook then waits for DDP's final bucket layout before compressing.
+    stateful: ClassVar[bool] = False
+    stat_keys: ClassVar[tuple[str, ...]] = ()  # extra counters this method adds to ``HookState.stats``
     # True when the result is the sum over ranks of each rank's payload decoded on its own. False where it
     # depends on all payloads jointly (PowerSGD's shared basis, a majority vote); the contract suite then
     # checks those methods against their own tests instead of that sum.
@@ -94,7 +125,7 @@ class Compressor(_Checkpointed, ABC):
 
     @abstractmethod
     def decompress(self, tensors: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
-        """Decode one payload, or for ``allreduce`` codecs the element-wise sum of all ranks' payloads."""
+        """Decode one payload, or for ``allreduce`` codecs the element-wise reduction of all ranks' payloads."""
 
     def aggregate(self, gathered: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
         """Sum over ranks of the decoded payloads (``allgather`` codecs).
@@ -125,28 +156,38 @@ class Memory(_Checkpointed, ABC):
 
     @abstractmethod
     def update(self, tensor: torch.Tensor, bucket: BucketInfo, compressor: Compressor, payload: Payload) -> None:
-        """Store what ``payload`` does not carry of ``tensor``."""
+        """Store what ``payload`` does not carry of ``tensor`` (``compressor.decompress`` of it tells)."""
 
 
 class Communicator(ABC):
     """Runs the collectives for one payload on a process group; never blocks the autograd thread.
 
-    ``exchange`` returns a ``torch.futures.Future`` whose value is the list of received tensors (summed for
-    all-reduce, stacked per rank for all-gather); ``decode`` turns that list into the mean gradient. A
-    multi-round scheme launches its rounds from ``exchange`` itself, never by waiting on a new collective
-    inside a ``.then`` callback (that deadlocks on gloo with several buckets).
+    ``exchange`` returns a ``torch.futures.Future`` whose value is the list of received tensors (reduced for
+    all-reduce, stacked per rank for all-gather, ``[mean gradient]`` for point-to-point and hierarchical);
+    ``decode`` turns that list into the mean gradient. A multi-round scheme launches its rounds from
+    ``exchange`` itself, never by waiting on a new collective inside a ``.then`` callback (that deadlocks on
+    gloo with several buckets).
     """
 
     collective: ClassVar[str] = ALLREDUCE
+    stat_keys: ClassVar[tuple[str, ...]] = ()  # extra counters this communicator adds to ``HookState.stats``
 
     @abstractmethod
-    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None
-                 ) -> torch.futures.Future:
-        """Launch the collectives for ``payload.tensors``."""
+    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None,
+                 stats: dict | None = None) -> torch.futures.Future:
+        """Launch the collectives for ``payload.tensors``. Bytes sent beyond the payload (sizes, padding,
+        point-to-point messages) are added to ``stats["bytes_sent"]``, and counted in this communicator's own
+        ``stat_keys``; ``stats`` is None outside a hook (nothing is counted then)."""
 
-    @abstractmethod
     def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx: Any) -> torch.Tensor:
-        """Turn what was received into the aggregated (mean) gradient."""
+        """The mean gradient from what ``exchange`` received; the collective kind decides how: all-reduce
+        payloads go through ``compressor.decompress``, all-gathered ones through ``compressor.aggregate``;
+        point-to-point and hierarchical exchanges already hold the result."""
+        if self.collective == ALLREDUCE:
+            return compressor.decompress(received, ctx)
+        if self.collective == ALLGATHER:
+            return compressor.aggregate(received, ctx)
+        return received[0]
 
 
 @dataclass
@@ -168,4 +209,10 @@ class Method:
     @property
     def stateful(self) -> bool:
         """True when the method keeps per-bucket state across steps (and so waits for DDP's final buckets)."""
-        return self.memory.stateful or bool(getattr(self.compressor, "stateful", False))
+        return self.memory.stateful or self.compressor.stateful
+
+    @property
+    def stat_keys(self) -> tuple[str, ...]:
+        """The counters the method adds to the hook's statistics: its compressor's, then its communicator's."""
+        keys = tuple(self.compressor.stat_keys)
+        return keys + tuple(k for k in self.communicator.stat_keys if k not in keys)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gcomp.bucket import BucketInfo
-from gcomp.collectives import AllreduceCommunicator
+from gcomp.collectives.allreduce import all_reduce_all
 from gcomp.core import Method, Payload
 from gcomp.registry import create
 
@@ -35,8 +35,8 @@ class HookState:
     - ``dense_buckets``: bucket reductions sent as plain all-reduce for that reason;
     - ``layouts``: distinct bucket layouts seen (a rebuild shows up here).
 
-    A method may add counters of its own (its compressor's ``stat_keys``; ``pactrain`` counts its mask
-    tracker's switches).
+    A method may add counters of its own (its compressor's and communicator's ``stat_keys``: ``pactrain``
+    counts its mask tracker's switches, ``threshold`` its padding).
     """
 
     def __init__(self, method: Method, ddp: DistributedDataParallel, group: dist.ProcessGroup | None):
@@ -45,10 +45,9 @@ class HookState:
         self.world_size = dist.get_world_size(group)
         self._names = {id(p): n for n, p in ddp.module.named_parameters()}
         self._layouts: dict[tuple, BucketInfo] = {}
-        self._dense = AllreduceCommunicator()
         self.iteration = 0  # steps taken, a resumed checkpoint's included
         self.warmup = self._warmup_steps(ddp) if method.stateful else 0
-        self._stat_keys = _STAT_KEYS + tuple(method.compressor.stat_keys)
+        self._stat_keys = _STAT_KEYS + method.stat_keys
         self.stats: dict[str, Union[int, float]] = {k: 0.0 if k.endswith("_s") else 0 for k in self._stat_keys}
         method.compressor.bind(ddp.module, group, self.stats)
 
@@ -90,7 +89,7 @@ class HookState:
         if warming_up:
             stats["dense_buckets"] += 1
             stats["bytes_sent"] += buffer.numel() * buffer.element_size()
-            return self._dense.exchange(Payload([buffer]), None, self.group).then(lambda f: f.value()[0])
+            return all_reduce_all(Payload([buffer]), self.group).then(lambda f: f.value()[0])
 
         method = self.method
         info = self.bucket_info(bucket)
@@ -108,7 +107,7 @@ class HookState:
             stats["decode_s"] += time.perf_counter() - begin
             return out
 
-        return communicator.exchange(payload, compressor, self.group).then(decode)
+        return communicator.exchange(payload, compressor, self.group, stats).then(decode)
 
     def state_dict(self) -> dict:
         """Tensors and plain values only, so ``torch.load(path, weights_only=True)`` reads it back."""

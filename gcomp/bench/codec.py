@@ -171,7 +171,7 @@ def measure(size_mb: float, ratio: float, dtype: torch.dtype, world: int, repeat
 
     def ternary():
         payload = compressor.compress(bucket, info)
-        compressor.ternarise(payload)
+        compressor.second_round(payload)
         payload.ctx.bucket = out  # decode elsewhere: the bucket stays every step's input
         return compressor.decompress(payload.tensors, payload.ctx)
 

@@ -26,10 +26,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from gcomp.bench.netem import RATE_UNITS, parse_rate
-from gcomp.compressors.hierarchical import HIERARCHICAL
-from gcomp.core import ALLGATHER, ALLREDUCE, POINT_TO_POINT
-
-COLLECTIVES = (ALLREDUCE, ALLGATHER, POINT_TO_POINT, HIERARCHICAL)
+from gcomp.core import ALLREDUCE, COLLECTIVES, HIERARCHICAL, POINT_TO_POINT
 P2P_METHODS = ("spardl", "gtopk")
 DEFAULT_ALPHA_S = 50e-6
 

@@ -16,8 +16,8 @@ class AllgatherCommunicator(Communicator):
 
     collective = ALLGATHER
 
-    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None
-                 ) -> torch.futures.Future:
+    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None,
+                 stats: dict | None = None) -> torch.futures.Future:
         world = dist.get_world_size(group)
         outputs, futures = [], []
         for t in payload.tensors:
@@ -25,6 +25,3 @@ class AllgatherCommunicator(Communicator):
             futures.append(dist.all_gather_single(out, t.contiguous(), group=group, async_op=True).get_future())
             outputs.append(out.view(world, *t.shape))
         return torch.futures.collect_all(futures).then(lambda _: outputs)
-
-    def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx) -> torch.Tensor:
-        return compressor.aggregate(received, ctx)

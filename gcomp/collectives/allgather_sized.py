@@ -14,14 +14,15 @@ class SizedAllgatherCommunicator(Communicator):
     all-gather into a ``(world, longest, ...)`` tensor, which ``aggregate`` receives.
 
     All payload tensors of a rank share their first dimension. The codec must read zero padding as adding
-    nothing (a zero value at position 0 does). The size round and the padding are sent too: when the codec
-    is bound to a hook, their bytes are added to ``bytes_sent`` and counted in ``padding_bytes``.
+    nothing (a zero value at position 0 does). The size round and the padding are sent too: their bytes are
+    added to ``stats["bytes_sent"]`` and counted in ``stats["padding_bytes"]``.
     """
 
     collective = ALLGATHER
+    stat_keys = ("padding_bytes",)
 
-    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None
-                 ) -> torch.futures.Future:
+    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None,
+                 stats: dict | None = None) -> torch.futures.Future:
         world = dist.get_world_size(group)
         tensors = payload.tensors
         length = tensors[0].shape[0]
@@ -37,11 +38,7 @@ class SizedAllgatherCommunicator(Communicator):
             out = t.new_empty(world * padded.numel())  # gloo wants the flat form
             futures.append(dist.all_gather_single(out, padded, group=group, async_op=True).get_future())
             outputs.append(out.view(world, *padded.shape))
-        stats = getattr(compressor, "stats", None)
-        if stats and "padding_bytes" in stats:
+        if stats is not None:
             stats["padding_bytes"] += padding
             stats["bytes_sent"] += padding
         return torch.futures.collect_all(futures).then(lambda _: outputs)
-
-    def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx) -> torch.Tensor:
-        return compressor.aggregate(received, ctx)

@@ -1,4 +1,4 @@
-"""Element-wise SUM all-reduce of every payload tensor."""
+"""Element-wise all-reduce of every payload tensor (SUM, or the op the payload names for a tensor)."""
 from __future__ import annotations
 
 import torch
@@ -7,20 +7,24 @@ import torch.distributed as dist
 from gcomp.core import ALLREDUCE, Communicator, Compressor, Payload
 
 
+def all_reduce_all(payload: Payload, group: dist.ProcessGroup | None, start: int = 0) -> torch.futures.Future:
+    """Asynchronous in-place all-reduce of ``payload.tensors[start:]``, each with its op; a future of their list."""
+    futures = [dist.all_reduce(t, payload.op(i), group=group, async_op=True).get_future()
+               for i, t in enumerate(payload.tensors) if i >= start]
+    if len(futures) == 1:
+        return futures[0]  # its value is already the one-element list [result]
+    return torch.futures.collect_all(futures).then(lambda f: [x.value()[0] for x in f.value()])
+
+
 class AllreduceCommunicator(Communicator):
-    """One asynchronous SUM all-reduce per payload tensor (reduced in place), then ``decompress`` of the sums.
+    """One asynchronous all-reduce per payload tensor (reduced in place; SUM unless ``payload.ops`` says MAX),
+    then ``decompress`` of the results.
 
     Needs codecs whose payloads can be added on the wire (``collective = "allreduce"``).
     """
 
     collective = ALLREDUCE
 
-    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None
-                 ) -> torch.futures.Future:
-        futures = [dist.all_reduce(t, group=group, async_op=True).get_future() for t in payload.tensors]
-        if len(futures) == 1:
-            return futures[0]  # its value is already the one-element list [sum]
-        return torch.futures.collect_all(futures).then(lambda f: [x.value()[0] for x in f.value()])
-
-    def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx) -> torch.Tensor:
-        return compressor.decompress(received, ctx)
+    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None,
+                 stats: dict | None = None) -> torch.futures.Future:
+        return all_reduce_all(payload, group)

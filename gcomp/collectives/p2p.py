@@ -15,10 +15,8 @@ from typing import Any, Generator, Sequence
 import torch
 import torch.distributed as dist
 
-from gcomp.core import POINT_TO_POINT, Communicator, Compressor, Payload
 
 _ALIGN = 8  # every section starts at a multiple of 8 bytes, so any dtype can be viewed in place
-_INT32_LIMIT = 2**31 - 1
 
 
 @dataclass
@@ -31,11 +29,6 @@ class Round:
 
 
 Program = Generator[Round, dict, Any]
-
-
-def index_dtype(length: int) -> torch.dtype:
-    """Positions into ``length`` entries travel as int32, as int64 past 2**31 entries."""
-    return torch.int32 if length <= _INT32_LIMIT else torch.int64
 
 
 def _padded(nbytes: int) -> int:
@@ -141,31 +134,3 @@ def run_locally(programs: Sequence[Program]) -> list[Any]:
             raise RuntimeError(f"round {round_index}: messages {sorted(mail)} (src, dst) were never received")
         round_index += 1
     return results
-
-
-class ProgramCommunicator(Communicator):
-    """Runs the compressor's round program (``compressor.program(ctx, rank, world)``) on the process group.
-
-    The rounds run, and are waited for, in ``exchange`` itself: each round's messages depend on the last
-    one's, and gloo's point-to-point work has no future to chain on. The future it returns is already
-    complete and holds ``[result]``. The bytes of every message this rank sends are added to the hook's
-    ``bytes_sent`` (the payload itself is empty), and their count to ``messages`` when the codec counts it.
-    """
-
-    collective = POINT_TO_POINT
-
-    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None
-                 ) -> torch.futures.Future:
-        program = compressor.program(payload.ctx, dist.get_rank(group), dist.get_world_size(group))
-        result, sent, messages = run_program(program, group, device=compressor.device(payload.ctx))
-        stats = getattr(compressor, "stats", None)
-        if stats:
-            stats["bytes_sent"] += sent
-            if "messages" in stats:
-                stats["messages"] += messages
-        future = torch.futures.Future()
-        future.set_result([result])
-        return future
-
-    def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx: Any) -> torch.Tensor:
-        return received[0]

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gcomp.collectives.p2p import Program, Round, index_dtype, message_nbytes, pack, unpack
+from gcomp.bucket import index_dtype
+from gcomp.collectives.p2p import Program, Round, message_nbytes, pack, unpack
 
 
 def reduce_scatter_rounds(size: int) -> list[tuple[int, int]]:

@@ -5,9 +5,9 @@ from typing import Annotated
 
 import torch
 
+from gcomp.bucket import index_dtype
 from gcomp.collectives.gtopk import gtopk_program
-from gcomp.collectives.p2p import ProgramCommunicator, index_dtype
-from gcomp.compressors.scheduled import ScheduledCompressor, ScheduledCtx, keep_top
+from gcomp.collectives.scheduled import ProgramCommunicator, ScheduledCompressor, ScheduledCtx
 from gcomp.core import Method
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -27,8 +27,6 @@ class GlobalTopKCompressor(ScheduledCompressor):
     made the global set through another branch of the tree.
     """
 
-    stat_keys = ("messages",)
-
     def __init__(self, density: float):
         super().__init__()
         self.density = density
@@ -37,7 +35,7 @@ class GlobalTopKCompressor(ScheduledCompressor):
         compensated = ctx.compensated
         n = compensated.numel()
         k = max(1, int(n * self.density))
-        local = keep_top(compensated, k)
+        local = torch.topk(compensated.abs(), k, sorted=False).indices  # NaN and infinities first
         index, values = yield from gtopk_program(local.to(index_dtype(n)), compensated[local], rank, world)
         index = index.long()
         if keep:

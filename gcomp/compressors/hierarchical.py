@@ -2,19 +2,17 @@
 from __future__ import annotations
 
 import copy
-from typing import Annotated, Any
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
-from gcomp.core import Communicator, Compressor, Method, Payload
+from gcomp.core import HIERARCHICAL, Communicator, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.registry import create, register
 from gcomp.topology import Topology
-
-HIERARCHICAL = "hierarchical"
 
 
 class HierarchicalCompressor(Compressor):
@@ -24,6 +22,9 @@ class HierarchicalCompressor(Compressor):
     leader, the inner method's payload across the leaders' group (counted in ``bytes_sent`` and, apart, in
     ``inter_bytes``); then a broadcast of the result from the leader on the intra-node group. Followers
     send nothing across nodes.
+
+    ``inner`` (the method run between leaders), ``intra`` (this rank's node group) and ``inter`` (the leaders'
+    group, None on a follower) are what ``HierarchicalCommunicator`` reads; ``bind`` sets the groups.
     """
 
     collective = HIERARCHICAL
@@ -33,13 +34,11 @@ class HierarchicalCompressor(Compressor):
         self.inner, self.ranks_per_node = inner, ranks_per_node
         self.stateful = inner.stateful
         self.lossless = inner.compressor.lossless
-        self.stat_keys = ("inter_bytes",) + tuple(k for k in inner.compressor.stat_keys if k != "inter_bytes")
-        self.stats: dict = {}
-        self.intra = self.inter = None
-        self.leader_rank = 0  # the node leader's rank in the intra-node group
+        self.stat_keys = tuple(k for k in inner.stat_keys if k not in HierarchicalCommunicator.stat_keys)
+        self.intra: dist.ProcessGroup | None = None
+        self.inter: dist.ProcessGroup | None = None
 
     def bind(self, model, group, stats) -> None:
-        self.stats = stats
         world = dist.get_world_size(group)
         topology = (Topology.regular(world, self.ranks_per_node) if self.ranks_per_node
                     else Topology.discover(group))
@@ -74,27 +73,27 @@ class HierarchicalCommunicator(Communicator):
     the broadcast sends its result), then an asynchronous intra-node broadcast, whose future is returned."""
 
     collective = HIERARCHICAL
+    stat_keys = ("inter_bytes",)
 
-    def exchange(self, payload: Payload, compressor: HierarchicalCompressor, group) -> torch.futures.Future:
+    def exchange(self, payload: Payload, compressor: HierarchicalCompressor, group: dist.ProcessGroup | None,
+                 stats: dict | None = None) -> torch.futures.Future:
         buffer, bucket = payload.tensors[0], payload.ctx
         dist.all_reduce(buffer, group=compressor.intra)
         if compressor.inter is not None:
-            inner, stats = compressor.inner, compressor.stats
-            before = stats.get("bytes_sent", 0)
+            inner = compressor.inner
+            before = stats["bytes_sent"] if stats is not None else 0
             compensated = inner.memory.compensate(buffer, bucket)
             sent = inner.compressor.compress(compensated, bucket)
             inner.memory.update(compensated, bucket, inner.compressor, sent)
-            received = inner.communicator.exchange(sent, inner.compressor, compressor.inter).wait()
-            buffer.copy_(inner.communicator.decode(received, inner.compressor, sent.ctx))
-            if stats:
+            if stats is not None:
                 stats["bytes_sent"] += sent.nbytes
+            received = inner.communicator.exchange(sent, inner.compressor, compressor.inter, stats).wait()
+            buffer.copy_(inner.communicator.decode(received, inner.compressor, sent.ctx))
+            if stats is not None:
                 stats["inter_bytes"] += stats["bytes_sent"] - before
         source = dist.get_global_rank(compressor.intra, 0)
         work = dist.broadcast(buffer, src=source, group=compressor.intra, async_op=True)
         return work.get_future().then(lambda _: [buffer])
-
-    def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx: Any) -> torch.Tensor:
-        return received[0]
 
 
 @register("hierarchical", paper="leader-follower reduction as in PruneX (Olama et al., arXiv 2512.14628)")

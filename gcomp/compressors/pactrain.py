@@ -5,14 +5,14 @@ PacTrain (Wang, Wu, Li, Kutscher, 2025). Prune first (``gcomp.pruning.prune``), 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
 
 from gcomp.collectives import bitpack
-from gcomp.collectives.shared_scale import SharedScaleCommunicator
-from gcomp.core import ALLREDUCE, Communicator, Compressor, Method, Payload
+from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
+from gcomp.core import ALLREDUCE, MAX, SUM, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.pruning.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker
@@ -28,16 +28,17 @@ class _Ctx:
     bucket: torch.Tensor  # the gradient buffer the result is written into
 
 
-class PacTrainCompressor(Compressor):
+class PacTrainCompressor(ChainedCompressor):
     """Mask-packed all-reduce of a pruned model's buckets (lossless), optionally ternarised.
 
-    On the wire, per bucket and step, by the mask tracker's state (``gcomp.pruning.tracker``):
+    On the wire, per bucket and step, by the mask tracker's state (``gcomp.pruning.tracker``), in one
+    all-reduce round except for ternary (``ChainedAllreduceCommunicator``):
 
     - tracking / dense: the bucket as it is (SUM), and while tracking 5 int64 flags (MAX);
     - packed: the kept entries in the bucket's dtype plus one entry counting ranks whose masks changed (SUM);
       the result equals a dense all-reduce on the support, bit for bit on 2 ranks, and is zero elsewhere;
-    - ternary: first one fp32 scale per parameter segment plus two flags (MAX, so every rank shares the
-      scale), then the codes t + 1 of t in {-1, 0, 1}, drawn so that E[scale * t] = value, in
+    - ternary, two chained rounds: first one fp32 scale per parameter segment plus two flags (MAX, so every
+      rank shares the scale), then the codes t + 1 of t in {-1, 0, 1}, drawn so that E[scale * t] = value, in
       ``bitpack.lane_bits(N)``-bit fields of int64 words (SUM: each field sums to at most 2N, no carry crosses).
 
     ``granularity="groups"`` (``prunex``'s inter-node stage) packs whole filters and channels
@@ -71,7 +72,7 @@ class PacTrainCompressor(Compressor):
         track, changed_here = self.tracker.decide(bucket, tensor.device)
         if track.mode == TRACKING:
             return Payload([tensor, MaskTracker.flags(track, changed_here, tensor.device)],
-                           _Ctx(TRACKING, track, tensor))
+                           _Ctx(TRACKING, track, tensor), ops=(SUM, MAX))
         if track.mode == DENSE:
             return Payload([tensor], _Ctx(DENSE, track, tensor))
         if "packed_buckets" in self.stats:
@@ -89,7 +90,10 @@ class PacTrainCompressor(Compressor):
         scales[-2] = float(changed_here)
         bits = bitpack.lane_bits(self.world_size)
         lanes = torch.empty(bitpack.packed_words(support.kept, bits), dtype=torch.int64, device=tensor.device)
-        return Payload([scales, lanes], _Ctx(TERNARY, track, tensor))
+        return Payload([scales, lanes], _Ctx(TERNARY, track, tensor), ops=(MAX, SUM))
+
+    def chained(self, payload: Payload) -> bool:
+        return payload.ctx.mode == TERNARY
 
     def _ternary_buffers(self, track: BucketTrack, like: torch.Tensor) -> dict:
         """Per-bucket work buffers, allocated once per frozen support (fresh allocations of tens of MB cost
@@ -141,8 +145,8 @@ class PacTrainCompressor(Compressor):
         scales[-1] = (~torch.isfinite(scales[:-2])).any()
         return scales
 
-    def ternarise(self, payload: Payload) -> None:
-        """Fill the lanes from the shared scales (``payload.tensors[0]`` after its MAX all-reduce)."""
+    def second_round(self, payload: Payload) -> None:
+        """Ternarise: fill the lanes from the shared scales (``payload.tensors[0]`` after its MAX all-reduce)."""
         codes = self.draw_codes(payload.ctx.track, payload.tensors[0])
         payload.tensors[1] = bitpack.pack(codes, bitpack.lane_bits(self.world_size))
 
@@ -228,31 +232,6 @@ class PacTrainCompressor(Compressor):
         self.tracker.load_state_dict(state["tracker"])
 
 
-class PacTrainCommunicator(Communicator):
-    """SUM all-reduce of the bucket or its packed support, with the tracker's small MAX all-reduce of flags.
-
-    Ternary takes the two rounds of ``SharedScaleCommunicator`` (as TernGrad's all-reduce form does): the MAX
-    all-reduce of the scales runs (and is waited for) in the hook itself, because the codes depend on the
-    shared scale; the SUM of the lanes is then launched asynchronously.
-    """
-
-    collective = ALLREDUCE
-    _shared_scale = SharedScaleCommunicator()
-
-    def exchange(self, payload: Payload, compressor: PacTrainCompressor, group) -> torch.futures.Future:
-        mode = payload.ctx.mode
-        if mode == TRACKING:
-            futures = [dist.all_reduce(payload.tensors[0], group=group, async_op=True).get_future(),
-                       dist.all_reduce(payload.tensors[1], dist.ReduceOp.MAX, group=group, async_op=True).get_future()]
-            return torch.futures.collect_all(futures).then(lambda f: [x.value()[0] for x in f.value()])
-        if mode == TERNARY:
-            return self._shared_scale.exchange(payload, compressor, group)
-        return dist.all_reduce(payload.tensors[0], group=group, async_op=True).get_future()
-
-    def decode(self, received: list[torch.Tensor], compressor: Compressor, ctx: Any) -> torch.Tensor:
-        return compressor.decompress(received, ctx)
-
-
 @register("pactrain", paper="Wang, Wu, Li, Kutscher 2025 (PacTrain, arXiv 2505.18563)")
 def pactrain(
     ternary: Annotated[bool, "ternarise the packed entries (shared per-parameter scale, integer lanes)"] = False,
@@ -264,4 +243,4 @@ def pactrain(
 ) -> Method:
     """PacTrain: only the entries the pruning masks keep are all-reduced, packed densely, once stable."""
     return Method(PacTrainCompressor(stable_steps, dense_above, ternary, clip, error_feedback, seed), NoMemory(),
-                  PacTrainCommunicator())
+                  ChainedAllreduceCommunicator())

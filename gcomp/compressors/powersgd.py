@@ -1,7 +1,8 @@
 """``powersgd``: rank-r PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019) with error feedback and warm start.
 
 Per matrix-shaped gradient M (a parameter of shape (n, ...) seen as n x m), with Q the warm-start query:
-P = M Q -> SUM all-reduce (waited) -> P^ = orthogonalise(P) -> Q = M^T P^ -> SUM all-reduce -> P^ Q^T.
+P = M Q -> SUM all-reduce (waited) -> P^ = orthogonalise(P) -> Q = M^T P^ -> SUM all-reduce -> P^ Q^T: two
+chained rounds (``gcomp.collectives.chained``).
 The hook has already divided the bucket by the world size, so the Q sum is the mean and P^ Q^T approximates the
 mean gradient. Vectors, and matrices that would not shrink by ``min_compression_rate``, travel dense inside the
 P all-reduce. Parameter shapes come from the model the hook binds; a codec used without a model (a bare bucket)
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated
 
 import torch
-import torch.distributed as dist
 
-from gcomp.core import ALLREDUCE, Communicator, Compressor, Method, Payload
+from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
+from gcomp.core import ALLREDUCE, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.registry import register
@@ -73,10 +74,11 @@ class _Ctx:
     exchanged: bool = False  # True once the P sum is orthogonalised in place and Q holds M^T P^
 
 
-class PowerSGDCompressor(Compressor):
+class PowerSGDCompressor(ChainedCompressor):
     """Rank-r PowerSGD: per compressed n x m matrix, P (n x r) in a first SUM all-reduce together with the dense
-    entries (vectors, small matrices), then Q (m x r) in a second SUM all-reduce; (n + m) r numbers instead of
-    n m, in fp32 (fp64 for an fp64 bucket).
+    entries (vectors, small matrices), waited for, then Q (m x r) in a second SUM all-reduce; (n + m) r numbers
+    instead of n m, in fp32 (fp64 for an fp64 bucket). A bucket without compressed matrices takes the first
+    round only.
 
     Memory: per compressed parameter an error buffer (n x m) and the warm-start Q (m x r), both keyed by the
     parameter's name, so they survive DDP's bucket rebuild and a checkpoint. The error is the part of this
@@ -204,9 +206,13 @@ class PowerSGDCompressor(Compressor):
     # --- decode ---------------------------------------------------------------------------------------------
 
     def decompress(self, tensors, ctx: _Ctx):
-        """The summed payload after both rounds, or (never exchanged) this rank's own payload decoded alone:
-        P^ = orthogonalise(P), Q = M^T P^, P^ Q^T."""
+        """The summed payload after both rounds, whose mean Q is kept as the next step's warm start; or (never
+        exchanged) this rank's own payload decoded alone: P^ = orthogonalise(P), Q = M^T P^, P^ Q^T."""
         plan = ctx.plan
+        if self.warm_start and ctx.exchanged:
+            for mat in plan.matrices:
+                self._queries[mat.name] = tensors[1][mat.q_offset:mat.q_offset + mat.m * mat.r].view(
+                    mat.m, mat.r).clone()
         round1 = tensors[0]
         out = torch.empty(ctx.numel, dtype=round1.dtype, device=round1.device)
         start = 0
@@ -223,14 +229,6 @@ class PowerSGDCompressor(Compressor):
             torch.matmul(p, q.t(), out=out[mat.offset:mat.offset + mat.n * mat.m].view(mat.n, mat.m))
         return out if out.dtype == ctx.dtype else out.to(ctx.dtype)
 
-    def finish(self, received: list[torch.Tensor], ctx: _Ctx) -> torch.Tensor:
-        """Decode after the exchange and keep each mean Q as the next step's warm start."""
-        if self.warm_start and ctx.exchanged:
-            for mat in ctx.plan.matrices:
-                self._queries[mat.name] = received[1][mat.q_offset:mat.q_offset + mat.m * mat.r].view(
-                    mat.m, mat.r).clone()
-        return self.decompress(received, ctx)
-
     # --- checkpoint -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
@@ -246,25 +244,6 @@ class PowerSGDCompressor(Compressor):
         self._errors = {n: t.clone() for n, t in state["errors"].items()}
 
 
-class PowerSGDCommunicator(Communicator):
-    """Two chained SUM all-reduces: P with the dense entries, waited for in the hook itself (Q depends on the
-    summed P), then Q, asynchronously. A bucket without compressed matrices takes the first round only."""
-
-    collective = ALLREDUCE
-
-    def exchange(self, payload: Payload, compressor: PowerSGDCompressor, group) -> torch.futures.Future:
-        round1 = payload.tensors[0]
-        if len(payload.tensors) == 1:
-            return dist.all_reduce(round1, group=group, async_op=True).get_future()
-        dist.all_reduce(round1, group=group)
-        compressor.second_round(payload)
-        return dist.all_reduce(payload.tensors[1], group=group, async_op=True).get_future().then(
-            lambda f: [round1, f.value()[0]])
-
-    def decode(self, received: list[torch.Tensor], compressor: PowerSGDCompressor, ctx: Any) -> torch.Tensor:
-        return compressor.finish(received, ctx)
-
-
 @register("powersgd", paper="Vogels, Karimireddy, Jaggi 2019 (PowerSGD, NeurIPS)")
 def powersgd(
     rank: Annotated[int, Range(1, None), "rank r of the approximation P Q^T of each matrix"] = 1,
@@ -276,4 +255,4 @@ def powersgd(
 ) -> Method:
     """PowerSGD: low-rank P Q^T of each matrix by one power iteration, two chained all-reduces, vectors dense."""
     return Method(PowerSGDCompressor(rank, min_compression_rate, error_feedback, warm_start, seed), NoMemory(),
-                  PowerSGDCommunicator())
+                  ChainedAllreduceCommunicator())

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from gcomp.collectives.chained import ChainedAllreduceCommunicator
 from gcomp.compressors.hierarchical import HierarchicalCommunicator, HierarchicalCompressor
-from gcomp.compressors.pactrain import PacTrainCommunicator, PacTrainCompressor
+from gcomp.compressors.pactrain import PacTrainCompressor
 from gcomp.core import Method
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -39,5 +40,5 @@ def prunex(
     are noticed on every leader alike, and the compacted layout is rebuilt."""
     packer = PacTrainCompressor(stable_steps, dense_above, ternary, granularity=GROUPS)
     packer.tracker.label = "prunex"
-    inner = Method(packer, NoMemory(), PacTrainCommunicator(), name="pactrain")
+    inner = Method(packer, NoMemory(), ChainedAllreduceCommunicator(), name="pactrain")
     return Method(PruneXCompressor(inner, ranks_per_node), NoMemory(), HierarchicalCommunicator())

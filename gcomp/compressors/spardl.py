@@ -7,9 +7,8 @@ from typing import Annotated
 
 import torch
 
-from gcomp.collectives.p2p import ProgramCommunicator
+from gcomp.collectives.scheduled import ProgramCommunicator, ScheduledCompressor, ScheduledCtx
 from gcomp.collectives.spardl import spardl_program
-from gcomp.compressors.scheduled import ScheduledCompressor, ScheduledCtx
 from gcomp.core import Method
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -57,7 +56,6 @@ class SparDLCompressor(ScheduledCompressor):
     """
 
     depends_on_layout = True  # blocks are ranges of the flat bucket
-    stat_keys = ("messages",)
 
     def __init__(self, density: float, teams: int):
         super().__init__()

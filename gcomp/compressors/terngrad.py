@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.collectives.shared_scale import SharedScaleCommunicator
-from gcomp.core import ALLGATHER, ALLREDUCE, Compressor, Method, Payload
+from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
+from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import OneOf, Range
 from gcomp.registry import register
@@ -170,11 +170,11 @@ class TernGradCompressor(Compressor):
         self.random.load_state_dict(state["generator"])
 
 
-class SharedScaleTernGradCompressor(TernGradCompressor):
-    """Ternary codes by integer SUM all-reduce (``SharedScaleCommunicator``): first the fp32 scales per
-    parameter plus one flag slot (MAX, so every rank uses the largest scale), then ``t + 1`` drawn against
-    that shared scale in ``bitpack.lane_bits(N)``-bit fields of int64 words (SUM: a field sums to at most
-    2N, no carry crosses; 4 bits per entry on 4 ranks, 12 on 1024). Decoded as ``(field - N) * scale``.
+class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):
+    """Ternary codes by integer SUM all-reduce, in two chained rounds (``ChainedAllreduceCommunicator``): first
+    the fp32 scales per parameter plus one flag slot (MAX, so every rank uses the largest scale), then ``t + 1``
+    drawn against that shared scale in ``bitpack.lane_bits(N)``-bit fields of int64 words (SUM: a field sums to
+    at most 2N, no carry crosses; 4 bits per entry on 4 ranks, 12 on 1024). Decoded as ``(field - N) * scale``.
 
     The flag slot is 1 when a rank's scale is non-finite: MAX may drop a NaN, the flag makes every rank
     decode that bucket as NaN all the same.
@@ -191,10 +191,10 @@ class SharedScaleTernGradCompressor(TernGradCompressor):
         scales[segments] = (~torch.isfinite(scales[:segments])).any()
         bits = bitpack.lane_bits(self.world_size)
         lanes = torch.zeros(bitpack.packed_words(n, bits), dtype=torch.int64, device=values.device)
-        return Payload([scales, lanes], _Ctx(n, tensor.dtype, lengths, values))
+        return Payload([scales, lanes], _Ctx(n, tensor.dtype, lengths, values), ops=(MAX, SUM))
 
-    def ternarise(self, payload: Payload) -> None:
-        """Fill the lanes (``payload.tensors[1]``) from the shared scales (``payload.tensors[0]`` after MAX)."""
+    def second_round(self, payload: Payload) -> None:
+        """Ternarise: fill the lanes (``payload.tensors[1]``) from the shared scales (``tensors[0]`` after MAX)."""
         ctx = payload.ctx
         codes = self.draw_codes(ctx.values, payload.tensors[0][:-1], ctx.lengths)
         payload.tensors[1].copy_(bitpack.pack(codes, bitpack.lane_bits(self.world_size)))
@@ -220,5 +220,5 @@ def terngrad(
 ) -> Method:
     """TernGrad: each entry becomes -s, 0 or +s at random, s one scale per parameter (unbiased unless clipped)."""
     if collective == ALLREDUCE:
-        return Method(SharedScaleTernGradCompressor(clip, seed), NoMemory(), SharedScaleCommunicator())
+        return Method(SharedScaleTernGradCompressor(clip, seed), NoMemory(), ChainedAllreduceCommunicator())
     return Method(TernGradCompressor(clip, seed), NoMemory(), AllgatherCommunicator())

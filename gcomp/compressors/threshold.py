@@ -37,16 +37,12 @@ class ThresholdCompressor(SparseCompressor):
     ``threshold / world``. NaN and infinities always pass.
     """
 
-    stat_keys = ("padding_bytes",)
-
     def __init__(self, threshold: float):
         self.threshold = threshold
         self.world_size = 1
-        self.stats: dict = {}
         self._floors: dict[torch.dtype, float] = {}
 
     def bind(self, model, group, stats) -> None:
-        self.stats = stats
         self._floors.clear()
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(group)

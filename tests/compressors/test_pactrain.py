@@ -98,7 +98,7 @@ def _exchange(comps, info: BucketInfo, grads: list[torch.Tensor]) -> tuple[str, 
         scales = _max([p.tensors[0] for p in payloads])
         for c, p in zip(comps, payloads):
             p.tensors[0] = scales.clone()
-            c.ternarise(p)
+            c.second_round(p)
         received = [scales, torch.stack([p.tensors[1] for p in payloads]).sum(0)]
     else:
         received = [torch.stack([p.tensors[0] for p in payloads]).sum(0)]

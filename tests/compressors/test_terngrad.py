@@ -155,7 +155,7 @@ def _simulate(xs: list[torch.Tensor], info: BucketInfo, clip: float = 0.0):
         shared = torch.fmax(shared, p.tensors[0])
     for c, p in zip(comps, payloads):
         p.tensors[0].copy_(shared)
-        c.ternarise(p)
+        c.second_round(p)
     lanes = sum(p.tensors[1] for p in payloads)
     return comps, payloads, shared, lanes
 
@@ -195,7 +195,7 @@ def test_shared_scale_unbiased_on_three_ranks():
         shared = torch.stack([p.tensors[0] for p in payloads]).amax(0)
         for c, p in zip(comps, payloads):
             p.tensors[0].copy_(shared)
-            c.ternarise(p)
+            c.second_round(p)
         total += comps[0].decompress([shared, sum(p.tensors[1] for p in payloads)], payloads[0].ctx).double()
     scale = torch.cat([torch.full((k,), float(s)) for k, s in zip(sizes, shared[:-1])]).double()
     g = torch.stack([x.double() for x in xs])
@@ -222,7 +222,7 @@ def test_shared_scale_flag_surfaces_a_nan_the_max_dropped(bad):
 
 
 def shared_scale_job(bad_rank: int) -> list[torch.Tensor]:
-    """Through SharedScaleCommunicator on gloo: a clean bucket, then one with a NaN on ``bad_rank``."""
+    """Through ChainedAllreduceCommunicator on gloo: a clean bucket, then one with a NaN on ``bad_rank``."""
     rank = dist.get_rank()
     method = gcomp.create("terngrad", collective="allreduce", clip=0.0)
     method.compressor.bind(None, None, {})

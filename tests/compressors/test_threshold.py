@@ -84,7 +84,7 @@ def _sized_job(counts: list[list[int]], dtype: torch.dtype) -> list:
         x[rank:rank + per_rank[rank]] = 2.0 * world * (rank + 1)  # overlapping positions across ranks
         payload = comp.compress(x, BucketInfo.single(x, index=b))
         local = comp.decompress(payload.tensors, payload.ctx)
-        pending.append((comm.exchange(payload, comp, None), payload, local))
+        pending.append((comm.exchange(payload, comp, None, stats), payload, local))
     out = []
     for fut, payload, local in pending:
         every = [torch.empty_like(local) for _ in range(world)]

@@ -1,4 +1,4 @@
-"""What SparDL and gTop-k share: a message schedule of their own, and a residual known only after it."""
+"""Point-to-point codecs: a message schedule of their own (SparDL, gTop-k), and a residual known only after it."""
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
-from gcomp.collectives.p2p import Program, run_locally
-from gcomp.core import POINT_TO_POINT, Compressor, Payload
+from gcomp.collectives.p2p import Program, run_locally, run_program
+from gcomp.core import POINT_TO_POINT, Communicator, Compressor, Payload, check_state_keys
 from gcomp.memory import ResidualMemory
 
 
@@ -38,11 +38,9 @@ class ScheduledCompressor(Compressor):
 
     def __init__(self):
         self.memory = ResidualMemory()
-        self.stats: dict = {}
         self.world = 1
 
     def bind(self, model, group, stats) -> None:
-        self.stats = stats
         self.world = dist.get_world_size(group)
 
     def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Payload:
@@ -50,25 +48,41 @@ class ScheduledCompressor(Compressor):
 
     @abstractmethod
     def program(self, ctx: ScheduledCtx, rank: int, world: int, keep: bool = True) -> Program:
-        """This rank's rounds for one bucket; returns the mean gradient (the bucket's shape and dtype). With
-        ``keep`` the new residual (and any adaptive state) is stored; without, nothing is touched."""
+        """This rank's rounds for one bucket (``gcomp.collectives.p2p``); returns the mean gradient (the
+        bucket's shape and dtype). With ``keep`` the new residual (and any adaptive state) is stored; without,
+        nothing is touched. Called by ``ProgramCommunicator.exchange``, once per bucket and step."""
 
     def decompress(self, tensors, ctx: ScheduledCtx) -> torch.Tensor:
         return run_locally([self.program(ctx, 0, 1, keep=False)])[0]
-
-    def device(self, ctx: ScheduledCtx) -> torch.device:
-        return ctx.compensated.device
 
     def state_dict(self) -> dict:
         return {"memory": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        unknown = set(state) - {"memory"}
-        if unknown:
-            raise ValueError(f"{type(self).__name__}: unexpected keys {sorted(unknown)}")
+        check_state_keys(self, state, ("memory",))
         self.memory.load_state_dict(state["memory"])
 
 
-def keep_top(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions of the ``k`` largest magnitudes of a flat tensor (NaN and infinities first), unsorted."""
-    return torch.topk(values.abs(), k, sorted=False).indices
+class ProgramCommunicator(Communicator):
+    """Runs the compressor's round program (``compressor.program(ctx, rank, world)``) on the process group.
+
+    The rounds run, and are waited for, in ``exchange`` itself: each round's messages depend on the last
+    one's, and gloo's point-to-point work has no future to chain on. The future it returns is already
+    complete and holds ``[result]``. The bytes of every message this rank sends are added to
+    ``stats["bytes_sent"]`` (the payload itself is empty), and their count to ``stats["messages"]``.
+    """
+
+    collective = POINT_TO_POINT
+    stat_keys = ("messages",)
+
+    def exchange(self, payload: Payload, compressor: ScheduledCompressor, group: dist.ProcessGroup | None,
+                 stats: dict | None = None) -> torch.futures.Future:
+        ctx: ScheduledCtx = payload.ctx
+        program = compressor.program(ctx, dist.get_rank(group), dist.get_world_size(group))
+        result, sent, messages = run_program(program, group, device=ctx.compensated.device)
+        if stats is not None:
+            stats["bytes_sent"] += sent
+            stats["messages"] += messages
+        future = torch.futures.Future()
+        future.set_result([result])
+        return future
