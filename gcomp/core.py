@@ -1,16 +1,17 @@
 """The three small abstract types every method is built from, the payload they pass, and every call between them.
 
-One bucket flows as::
+One bucket flows through ``Method.reduce``, the one pipeline (the hook's, and ``hierarchical``'s for its inner
+method between node leaders)::
 
     flat grads -> Memory.compensate -> Compressor.compress -> Payload -> Memory.update
                -> Communicator.exchange (collectives, chained futures)
                -> Communicator.decode (by the collective kind: Compressor.decompress or .aggregate)
                -> mean gradient returned to DDP
 
-The hook divides the bucket by the world size before compressing (as PyTorch's own hooks do), so every
-sum over ranks that follows is already the mean.
+The hook divides the bucket by the world size before (as PyTorch's own hooks do), so every sum over ranks
+that follows is already the mean.
 
-Who calls what, and nothing else: the hook calls the ``Method``'s parts in that order; ``Memory.update`` calls
+Who calls what, and nothing else: ``Method.reduce`` calls the parts in that order; ``Memory.update`` calls
 ``Compressor.decompress``; a ``Communicator`` calls the collectives and the compressor methods declared here or
 on the codec base class it takes by type (``ChainedCompressor.second_round`` in ``gcomp.collectives.chained``,
 ``ScheduledCompressor.program`` in ``gcomp.collectives.scheduled``). Statistics reach a communicator as an
@@ -18,6 +19,7 @@ argument; a compressor gets the same dict once, in ``bind``, for its own ``stat_
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
@@ -210,6 +212,31 @@ class Method:
     def stateful(self) -> bool:
         """True when the method keeps per-bucket state across steps (and so waits for DDP's final buckets)."""
         return self.memory.stateful or self.compressor.stateful
+
+    def reduce(self, buffer: torch.Tensor, bucket: BucketInfo, group: dist.ProcessGroup | None, stats: dict
+               ) -> torch.futures.Future:
+        """Reduce one flat bucket over ``group`` (already divided by the world size): compensate, compress,
+        update the memory, exchange, decode. Returns a future of the mean gradient.
+
+        Adds to ``stats``: ``encode_s`` (compensate, compress and memory update, host seconds), ``bytes_sent``
+        (the payload's bytes; the communicator adds what else it sends), ``decode_s``, and the communicator's
+        own ``stat_keys``. ``stats`` must hold those keys (``HookState.stats`` does).
+        """
+        start = time.perf_counter()
+        compensated = self.memory.compensate(buffer, bucket)
+        payload = self.compressor.compress(compensated, bucket)
+        self.memory.update(compensated, bucket, self.compressor, payload)
+        stats["encode_s"] += time.perf_counter() - start
+        stats["bytes_sent"] += payload.nbytes
+        communicator, compressor = self.communicator, self.compressor
+
+        def decode(fut: torch.futures.Future) -> torch.Tensor:
+            begin = time.perf_counter()
+            out = communicator.decode(fut.value(), compressor, payload.ctx)
+            stats["decode_s"] += time.perf_counter() - begin
+            return out
+
+        return communicator.exchange(payload, compressor, group, stats).then(decode)
 
     @property
     def stat_keys(self) -> tuple[str, ...]:

@@ -3,7 +3,6 @@
 No ``from __future__ import annotations`` here: DDP compares the hook's return annotation with
 ``torch.futures.Future[torch.Tensor]`` itself, and a string would not match.
 """
-import time
 from typing import Union
 
 import torch
@@ -91,23 +90,7 @@ class HookState:
             stats["bytes_sent"] += buffer.numel() * buffer.element_size()
             return all_reduce_all(Payload([buffer]), self.group).then(lambda f: f.value()[0])
 
-        method = self.method
-        info = self.bucket_info(bucket)
-        start = time.perf_counter()
-        compensated = method.memory.compensate(buffer, info)
-        payload = method.compressor.compress(compensated, info)
-        method.memory.update(compensated, info, method.compressor, payload)
-        stats["encode_s"] += time.perf_counter() - start
-        stats["bytes_sent"] += payload.nbytes
-        communicator, compressor = method.communicator, method.compressor
-
-        def decode(fut: torch.futures.Future) -> torch.Tensor:
-            begin = time.perf_counter()
-            out = communicator.decode(fut.value(), compressor, payload.ctx)
-            stats["decode_s"] += time.perf_counter() - begin
-            return out
-
-        return communicator.exchange(payload, compressor, self.group, stats).then(decode)
+        return self.method.reduce(buffer, self.bucket_info(bucket), self.group, stats)
 
     def state_dict(self) -> dict:
         """Tensors and plain values only, so ``torch.load(path, weights_only=True)`` reads it back."""

@@ -69,28 +69,24 @@ class HierarchicalCompressor(Compressor):
 
 
 class HierarchicalCommunicator(Communicator):
-    """Intra-node SUM (waited: the leader compresses the node's sum), the inner method on the leaders (waited:
-    the broadcast sends its result), then an asynchronous intra-node broadcast, whose future is returned."""
+    """Intra-node SUM (waited: the leader compresses the node's sum), the inner method on the leaders through
+    ``Method.reduce``, the hook's own pipeline (waited: the broadcast sends its result; its encode and decode
+    time count in ``encode_s`` and ``decode_s``), then an asynchronous intra-node broadcast, whose future is
+    returned. Needs the hook's ``stats``."""
 
     collective = HIERARCHICAL
     stat_keys = ("inter_bytes",)
 
     def exchange(self, payload: Payload, compressor: HierarchicalCompressor, group: dist.ProcessGroup | None,
                  stats: dict | None = None) -> torch.futures.Future:
+        if stats is None:
+            raise ValueError("hierarchical: the inner method's statistics need the hook's stats dict")
         buffer, bucket = payload.tensors[0], payload.ctx
         dist.all_reduce(buffer, group=compressor.intra)
         if compressor.inter is not None:
-            inner = compressor.inner
-            before = stats["bytes_sent"] if stats is not None else 0
-            compensated = inner.memory.compensate(buffer, bucket)
-            sent = inner.compressor.compress(compensated, bucket)
-            inner.memory.update(compensated, bucket, inner.compressor, sent)
-            if stats is not None:
-                stats["bytes_sent"] += sent.nbytes
-            received = inner.communicator.exchange(sent, inner.compressor, compressor.inter, stats).wait()
-            buffer.copy_(inner.communicator.decode(received, inner.compressor, sent.ctx))
-            if stats is not None:
-                stats["inter_bytes"] += stats["bytes_sent"] - before
+            before = stats["bytes_sent"]
+            buffer.copy_(compressor.inner.reduce(buffer, bucket, compressor.inter, stats).wait())
+            stats["inter_bytes"] += stats["bytes_sent"] - before
         source = dist.get_global_rank(compressor.intra, 0)
         work = dist.broadcast(buffer, src=source, group=compressor.intra, async_op=True)
         return work.get_future().then(lambda _: [buffer])

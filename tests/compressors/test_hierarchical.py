@@ -9,6 +9,9 @@ import torch
 import torch.distributed as dist
 
 import gcomp
+import gcomp.core
+from gcomp.collectives import AllreduceCommunicator
+from gcomp.compressors.identity import IdentityCompressor
 from gcomp.topology import Topology
 from tests.contracts_jobs import FakeBucket
 from tests.distributed import run_ranks
@@ -59,6 +62,52 @@ def test_a_lossy_inner_method_keeps_replicas_identical_and_cuts_inter_node_bytes
             assert r["stats"]["inter_bytes"] == 0, r["stats"]
         else:  # past the dense warm-up step, top-k's 1% (values and positions) crosses the nodes
             assert 0 < r["stats"]["inter_bytes"] < dense / 2, r["stats"]
+
+
+class _Clock:
+    """Stands in for the ``time`` module of ``gcomp.core``: it moves only when the codec below says so, so the
+    hook's encode and decode timers count the codec's calls exactly."""
+
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
+class _TickingIdentity(IdentityCompressor):
+    def compress(self, tensor, bucket):
+        _Clock.now += 1.0
+        return super().compress(tensor, bucket)
+
+    def decompress(self, tensors, ctx):
+        _Clock.now += 10.0
+        return super().decompress(tensors, ctx)
+
+
+def timed_inner_job(steps: int = 3) -> dict:
+    rank = dist.get_rank()
+    method = gcomp.create("hierarchical", ranks_per_node=2)
+    method.compressor.inner = gcomp.Method(_TickingIdentity(), gcomp.NoMemory(), AllreduceCommunicator())
+    state = gcomp.HookState(method, ddp(mlp(0)), None)
+    state.warmup = 0
+    param = torch.nn.Parameter(torch.zeros(100))
+    real_time, gcomp.core.time = gcomp.core.time, _Clock
+    try:
+        for step in range(steps):
+            state.reduce(FakeBucket(torch.full((100,), float(rank + step)), 0, True, [param])).wait()
+    finally:
+        gcomp.core.time = real_time
+    return dict(state.stats)
+
+
+def test_the_inner_method_runs_through_the_hook_pipeline_and_its_timers():
+    """On leaders the inner method's compress and decode count in ``encode_s`` and ``decode_s`` (one tick and
+    ten ticks of a clock that moves only inside the inner codec); followers run no inner codec."""
+    for rank, stats in enumerate(run_ranks(4, timed_inner_job)):
+        leader = rank % 2 == 0
+        assert stats["encode_s"] == (3.0 if leader else 0.0), (rank, stats)
+        assert stats["decode_s"] == (30.0 if leader else 0.0), (rank, stats)
 
 
 def test_ranks_per_node_must_divide_the_workers():
