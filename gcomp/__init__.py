@@ -11,7 +11,11 @@ from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.params import OneOf, Range
 from gcomp.registry import UnknownMethodError, available, create, describe, register, spec
 
-from gcomp import compressors, pruning  # noqa: E402,F401  (registers the built-in methods; gcomp.pruning)
+from gcomp import compressors, packing, pruning  # noqa: E402,F401  (registers the built-in methods)
+
+# ``gcomp.pruning.GroupSupport`` is ``gcomp.packing.GroupSupport`` under the name it first had; set here, so that
+# gcomp.pruning itself imports nothing from gcomp.packing (the floor above it).
+pruning.GroupSupport = packing.GroupSupport
 
 __version__ = "0.1.0"
 

@@ -31,8 +31,8 @@ import torch
 from gcomp.bucket import BucketInfo
 from gcomp.collectives import bitpack
 from gcomp.compressors.pactrain import PacTrainCompressor
-from gcomp.pruning.support import SupportIndex, bucket_support
-from gcomp.pruning.tracker import PACKED, BucketTrack, MaskTracker
+from gcomp.packing.support import SupportIndex, bucket_support
+from gcomp.packing.tracker import PACKED, BucketTrack, MaskTracker
 
 # (weight shape, channels_last) of the layers a synthetic bucket cycles through, each followed by its bias.
 LAYERS = (((128, 64, 3, 3), True), ((256, 128, 3, 3), False), ((512, 512), False), ((64, 64, 3, 3), False),

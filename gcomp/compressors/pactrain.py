@@ -15,7 +15,7 @@ from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompr
 from gcomp.core import ALLREDUCE, MAX, SUM, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
-from gcomp.pruning.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker
+from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker
 from gcomp.registry import register
 
 TERNARY = "ternary"
@@ -31,7 +31,7 @@ class _Ctx:
 class PacTrainCompressor(ChainedCompressor):
     """Mask-packed all-reduce of a pruned model's buckets (lossless), optionally ternarised.
 
-    On the wire, per bucket and step, by the mask tracker's state (``gcomp.pruning.tracker``), in one
+    On the wire, per bucket and step, by the mask tracker's state (``gcomp.packing.tracker``), in one
     all-reduce round except for ternary (``ChainedAllreduceCommunicator``):
 
     - tracking / dense: the bucket as it is (SUM), and while tracking 5 int64 flags (MAX);
@@ -42,7 +42,7 @@ class PacTrainCompressor(ChainedCompressor):
       ``bitpack.lane_bits(N)``-bit fields of int64 words (SUM: each field sums to at most 2N, no carry crosses).
 
     ``granularity="groups"`` (``prunex``'s inter-node stage) packs whole filters and channels
-    (``gcomp.pruning.groups``) instead of single entries: no per-entry index, even in memory.
+    (``gcomp.packing.groups``) instead of single entries: no per-entry index, even in memory.
     """
 
     collective = ALLREDUCE

@@ -10,14 +10,14 @@ from gcomp.compressors.pactrain import PacTrainCompressor
 from gcomp.core import Method
 from gcomp.memory import NoMemory
 from gcomp.params import Range
-from gcomp.pruning.tracker import GROUPS
+from gcomp.packing.tracker import GROUPS
 from gcomp.registry import register
 
 
 class PruneXCompressor(HierarchicalCompressor):
     """The bucket inside the node; between leaders only its kept filters and channels (SUM, no index); broadcast.
 
-    ``hierarchical`` with pactrain's mask tracker over whole filters and channels (``gcomp.pruning.groups``).
+    ``hierarchical`` with pactrain's mask tracker over whole filters and channels (``gcomp.packing.groups``).
     On the wire, per bucket: a SUM all-reduce of the whole bucket inside the node; on each leader, across the
     leaders' group, while the tracker checks the masks: the bucket and 5 int64 flags (MAX); once compacted:
     a SUM all-reduce of the kept filters and channels in the bucket's dtype plus one entry flagging mask

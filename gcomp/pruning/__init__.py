@@ -1,14 +1,13 @@
 """Pruning: one-shot masks (GraSP, magnitude, random) for PacTrain, and structured ADMM pruning for PruneX, both
-installed through ``torch.nn.utils.prune``.
+installed through ``torch.nn.utils.prune``. The ground floor: reducing a masked bucket is ``gcomp.packing``'s.
 
     from gcomp.pruning import prune, StructuredADMM
     result = prune(model, 0.5, "grasp", data=(inputs, targets))   # before wrapping the model in DDP
     admm = StructuredADMM(model, sparsity=0.6)                    # during training; admm.prune() at the end
 """
 from gcomp.pruning.admm import StructuredADMM
-from gcomp.pruning.groups import GroupSupport
-from gcomp.pruning.masks import mask_of, masks_digest, named_masks, positions_digest
+from gcomp.pruning.masks import check_masks_agree, mask_of, masks_digest, named_masks, positions_digest
 from gcomp.pruning.prune import PruneResult, kept_fraction, prune
 
-__all__ = ["GroupSupport", "PruneResult", "StructuredADMM", "kept_fraction", "mask_of", "masks_digest",
+__all__ = ["PruneResult", "StructuredADMM", "check_masks_agree", "kept_fraction", "mask_of", "masks_digest",
            "named_masks", "positions_digest", "prune"]

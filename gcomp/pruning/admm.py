@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils import prune as torch_prune
 
-from gcomp.pruning.masks import mask_of, masks_digest
-from gcomp.pruning.prune import PruneResult, _comm_device, _distributed, _top, check_masks_agree
+from gcomp.pruning.masks import check_masks_agree, comm_device, is_distributed, mask_of, masks_digest, top_mask
+from gcomp.pruning.prune import PruneResult
 
 STRUCTURES = ("filters", "channels")
 _LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
@@ -121,7 +121,7 @@ class StructuredADMM:
             norms = x_weight.detach().transpose(0, dim).reshape(x_weight.size(dim), -1).double().pow(2).sum(1)
             if x_bias is not None:
                 norms += x_bias.detach().double().pow(2)
-            keeps.append(_top(norms, t.kappa))
+            keeps.append(top_mask(norms, t.kappa))
         keeps = self._agree(keeps)
         for t, keep in zip(self.targets, keeps):
             t.keep = keep
@@ -140,9 +140,9 @@ class StructuredADMM:
             self.rho *= self.rho_growth
 
     def _agree(self, keeps: list[torch.Tensor]) -> list[torch.Tensor]:
-        if not _distributed(self.group):
+        if not is_distributed(self.group):
             return keeps
-        flat = torch.cat(keeps).to(_comm_device(self.group, keeps[0].device), torch.uint8)
+        flat = torch.cat(keeps).to(comm_device(self.group, keeps[0].device), torch.uint8)
         src = self.src if self.group is None else dist.get_global_rank(self.group, self.src)
         dist.broadcast(flat, src=src, group=self.group)
         return [k.to(keeps[0].device).bool() for k in flat.split([k.numel() for k in keeps])]
@@ -198,7 +198,7 @@ class StructuredADMM:
                 removed += int(mask.numel() - mask.count_nonzero())
                 total += mask.numel()
         self.pruned = True
-        if _distributed(self.group):
+        if is_distributed(self.group):
             digest = check_masks_agree(masks.values(), self.group)
         else:
             digest = tuple(masks_digest(masks.values()).tolist())

@@ -1,4 +1,5 @@
-"""Where a model's pruning masks live, and a digest that tells whether two ranks hold the same ones.
+"""Where a model's pruning masks live, how one is chosen from scores, and a digest that tells whether two ranks
+hold the same ones (``check_masks_agree`` compares it across a process group).
 
 gcomp prunes through ``torch.nn.utils.prune``: a pruned ``weight`` becomes the Parameter ``weight_orig`` and
 the buffer ``weight_mask``, and the forward uses ``weight_orig * weight_mask``. The gradient of ``weight_orig``
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 _ORIG = "_orig"
@@ -69,3 +71,43 @@ def masks_digest(masks: Iterable[torch.Tensor]) -> torch.Tensor:
     if not flat:
         return torch.zeros(2, dtype=torch.int64)
     return positions_digest(torch.cat(flat).nonzero().reshape(-1))
+
+
+def top_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """A bool mask of the ``k`` largest of ``scores`` (1-D); among equal scores the lower indices come first."""
+    n = scores.numel()
+    if k <= 0:
+        return torch.zeros(n, dtype=torch.bool, device=scores.device)
+    if k >= n:
+        return torch.ones(n, dtype=torch.bool, device=scores.device)
+    tau = scores.kthvalue(n - k + 1).values
+    above = scores > tau
+    equal = scores == tau
+    return above | (equal & (equal.cumsum(0) <= k - above.sum()))
+
+
+def is_distributed(group=None) -> bool:
+    """True when ``group`` (default: the world) has more than one rank to agree with."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def comm_device(group, fallback: torch.device) -> torch.device:
+    """Where ``group``'s collectives want their tensors: ``fallback`` (a GPU) for NCCL, the CPU otherwise."""
+    return fallback if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def check_masks_agree(masks, group=None) -> tuple[int, int]:
+    """Raise RuntimeError unless every rank of ``group`` holds the same ``masks`` (a sequence, same order).
+
+    One all-reduce MAX of ``[digest, -digest]``; returns this rank's digest ``(hash, kept count)``.
+    """
+    masks = list(masks)
+    d = masks_digest(masks)
+    dev = comm_device(group, masks[0].device if masks else torch.device("cpu"))
+    both = torch.cat([d, -d]).to(dev)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = both[:2].tolist(), (-both[2:]).tolist()
+    if hi != lo:
+        raise RuntimeError(f"pruning masks differ across ranks: digests (hash, kept) range from {tuple(lo)} to "
+                           f"{tuple(hi)}; this rank holds {tuple(d.tolist())}")
+    return tuple(d.tolist())

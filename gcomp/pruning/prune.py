@@ -23,7 +23,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils import prune as torch_prune
 
 from gcomp.pruning.grasp import grasp_scores
-from gcomp.pruning.masks import mask_of, masks_digest
+from gcomp.pruning.masks import check_masks_agree, comm_device, is_distributed, mask_of, masks_digest, top_mask
 
 METHODS = ("grasp", "magnitude", "random")
 SCOPES = ("global", "layer")
@@ -127,19 +127,6 @@ def _removal_scores(model, layers, method, data, temperature, samples_per_class,
         return grasp_scores(twin, weights, data, temperature, samples_per_class)
 
 
-def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """A bool mask of the ``k`` largest of ``scores`` (1-D); among equal scores the lower indices come first."""
-    n = scores.numel()
-    if k <= 0:
-        return torch.zeros(n, dtype=torch.bool, device=scores.device)
-    if k >= n:
-        return torch.ones(n, dtype=torch.bool, device=scores.device)
-    tau = scores.kthvalue(n - k + 1).values
-    above = scores > tau
-    equal = scores == tau
-    return above | (equal & (equal.cumsum(0) <= k - above.sum()))
-
-
 def _keep_mask(model, layers, ratio, method, data, scope, temperature, samples_per_class, seed) -> torch.Tensor:
     """The new flat keep-mask (bool, layers concatenated in logical layout)."""
     scores = _removal_scores(model, layers, method, data, temperature, samples_per_class, seed)
@@ -169,24 +156,16 @@ def _keep_mask(model, layers, ratio, method, data, scope, temperature, samples_p
         if already > k:
             warnings.warn(f"{already} of {n} weights are already pruned, more than ratio={ratio} asks for "
                           f"({k}); they stay pruned", stacklevel=3)
-        remove[a:b] = _top(flat[a:b], max(k, already))
+        remove[a:b] = top_mask(flat[a:b], max(k, already))
     return ~remove
 
 
 # --- distribution -----------------------------------------------------------------------------------------------
 
-def _distributed(group) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def _comm_device(group, fallback: torch.device) -> torch.device:
-    return fallback if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
 def _share(keep: torch.Tensor | None, total: int, failure: BaseException | None, group, src: int,
            device: torch.device) -> torch.Tensor:
     """Rank ``src``'s keep-mask on every rank; first agree on its size and on whether ``src`` computed it."""
-    dev = _comm_device(group, device)
+    dev = comm_device(group, device)
     status = torch.tensor([total, -total, int(failure is not None)], dtype=torch.int64, device=dev)
     dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
     if int(status[2]):
@@ -199,23 +178,6 @@ def _share(keep: torch.Tensor | None, total: int, failure: BaseException | None,
     buf = keep.to(dev, torch.uint8) if keep is not None else torch.empty(total, dtype=torch.uint8, device=dev)
     dist.broadcast(buf, src=src, group=group)
     return buf.to(device).bool()
-
-
-def check_masks_agree(masks, group=None) -> tuple[int, int]:
-    """Raise RuntimeError unless every rank of ``group`` holds the same ``masks`` (a sequence, same order).
-
-    One all-reduce MAX of ``[digest, -digest]``; returns this rank's digest ``(hash, kept count)``.
-    """
-    masks = list(masks)
-    d = masks_digest(masks)
-    dev = _comm_device(group, masks[0].device if masks else torch.device("cpu"))
-    both = torch.cat([d, -d]).to(dev)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    hi, lo = both[:2].tolist(), (-both[2:]).tolist()
-    if hi != lo:
-        raise RuntimeError(f"pruning masks differ across ranks: digests (hash, kept) range from {tuple(lo)} to "
-                           f"{tuple(hi)}; this rank holds {tuple(d.tolist())}")
-    return tuple(d.tolist())
 
 
 # --- applying ---------------------------------------------------------------------------------------------------
@@ -255,7 +217,7 @@ def prune(model: nn.Module, ratio: float, method: str = "grasp", data=None, scop
         raise ValueError(f"the model has no prunable layer ({kinds})")
     total = sum(_orig(m).numel() for _, m in layers)
     device = _orig(layers[0][1]).device
-    distributed = _distributed(group)
+    distributed = is_distributed(group)
     computing = not distributed or dist.get_rank() == src
     keep, failure = None, None
     if computing:

@@ -6,7 +6,7 @@ import torch
 
 from gcomp.bench.codec import TERNARY_PARTS, markdown, run, synthetic_bucket
 from gcomp.collectives import bitpack
-from gcomp.pruning.support import SupportIndex
+from gcomp.packing.support import SupportIndex
 
 TIMES = ["copy_ms", "encode_ms", "decode_ms", "maskpack_ms", "naive_ms", "ternary_ms", "maskpack_x", "naive_x",
          "ternary_x"] + [f"t_{part}_ms" for part in TERNARY_PARTS]

@@ -14,7 +14,7 @@ from torch import nn
 
 import gcomp
 from gcomp.pruning import StructuredADMM, mask_of
-from gcomp.pruning.support import bucket_support
+from gcomp.packing.support import bucket_support
 from tests.contracts_jobs import FakeBucket
 from tests.distributed import run_ranks
 from tests.models import ddp, flat_params

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gcomp.pruning import prune
-from gcomp.pruning.prune import check_masks_agree
+from gcomp.pruning import check_masks_agree
 
 
 def noisy_model(rank: int, src: int) -> nn.Module:

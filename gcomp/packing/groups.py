@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gcomp.packing.support import Support
 from gcomp.pruning.masks import positions_digest
 
 
@@ -50,15 +51,14 @@ def group_dim(mask: torch.Tensor) -> tuple[int, torch.Tensor]:
     return best[1], best[2]
 
 
-class GroupSupport:
+class GroupSupport(Support):
     """Which filters or channels of a bucket's parameters are kept; gathers and scatters them as blocks.
 
-    Built from the same ``(size, stride, mask or None)`` list as :func:`gcomp.pruning.support.bucket_support`.
+    Built from the same ``(size, stride, mask or None)`` list as :func:`gcomp.packing.support.bucket_support`.
     Each masked parameter is kept by whole groups along the dimension :func:`group_dim` picks: for a mask that
     prunes whole filters (or channels) the kept entries are exactly the mask's; for an unstructured mask, every
     group with a kept entry goes whole (its pruned entries travel as zeros). Unmasked parameters go whole.
-    The interface is :class:`gcomp.pruning.support.SupportIndex`'s: ``kept``, ``numel``, ``segments``,
-    ``digest``, ``gather``, ``scatter``.
+    The interface is :class:`gcomp.packing.support.Support`.
     """
 
     def __init__(self, params: list[tuple[torch.Size, tuple[int, ...], torch.Tensor | None]], numel: int,

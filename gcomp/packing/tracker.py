@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from gcomp.bucket import BucketInfo
-from gcomp.pruning.groups import GroupSupport
+from gcomp.packing.groups import GroupSupport
 from gcomp.pruning.masks import mask_of, parameter_of
-from gcomp.pruning.support import SupportIndex, bucket_support
+from gcomp.packing.support import Support, SupportIndex, bucket_support
 
 TRACKING, PACKED, DENSE = "tracking", "packed", "dense"
 ENTRIES, GROUPS = "entries", "groups"  # what a support is made of: kept entries, or whole filters and channels
@@ -45,8 +45,8 @@ class BucketTrack:
     stable: int = 0  # consecutive steps in which no rank's masks changed
     signature: tuple | None = None
     pending: tuple | None = None  # ([any rank changed, digests agree] on the host, its copy's CUDA event)
-    candidate: SupportIndex | None = None
-    support: SupportIndex | None = None
+    candidate: Support | None = None
+    support: Support | None = None
     buffers: dict = field(default_factory=dict)  # the method's per-bucket buffers, dropped with the support
 
 
@@ -77,7 +77,7 @@ class MaskTracker:
     def _signature(self, info: BucketInfo) -> tuple:
         return tuple(None if m is None else (id(m), m._version) for m in self._masks(info))
 
-    def _build(self, info: BucketInfo, device) -> SupportIndex | GroupSupport:
+    def _build(self, info: BucketInfo, device) -> Support:
         params = []
         for name, numel, mask in zip(info.names, info.numels, self._masks(info)):
             if mask is None or self.model is None:
@@ -177,7 +177,7 @@ class MaskTracker:
     def load_state_dict(self, state: dict) -> None:
         self.tracks, self._restored = {}, dict(state)
 
-    def _freeze(self, track: BucketTrack, support: SupportIndex) -> None:
+    def _freeze(self, track: BucketTrack, support: Support) -> None:
         self._count("freezes")
         track.support = support
         track.mode = DENSE if support.kept > self.dense_above * support.numel else PACKED

@@ -1,4 +1,4 @@
-"""PacTrain's mask tracker (``gcomp.pruning.tracker``): its state machine, step by step, on simulated ranks.
+"""PacTrain's mask tracker (``gcomp.packing.tracker``): its state machine, step by step, on simulated ranks.
 
 Each rank is a copy of one small pruned model with its own ``MaskTracker``; the collectives the tracker relies
 on are computed here: the MAX of the tracking flags, the SUM of the packed steps' "changed" counters. The same
@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from gcomp import BucketInfo
-from gcomp.pruning.tracker import DENSE, PACKED, TRACKING, MaskTracker
+from gcomp.packing.tracker import DENSE, PACKED, TRACKING, MaskTracker
 
 STATS = ("freezes", "unfreezes", "mask_mismatches")
 

@@ -1,4 +1,4 @@
-"""The structured support of a bucket (``gcomp.pruning.groups``): whole filters and channels, as prunex packs them.
+"""The structured support of a bucket (``gcomp.packing.groups``): whole filters and channels, as prunex packs them.
 
 Property tests over random buckets of unpruned, filter-pruned, channel-pruned, unstructured, fully pruned and
 fully kept parameters, contiguous and channels_last: each simulated rank's gradient is packed, the packed
@@ -12,10 +12,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gcomp.pruning.groups import GroupSupport, group_dim
+from gcomp.packing.groups import GroupSupport, group_dim
 from gcomp.pruning.masks import positions_digest
-from gcomp.pruning.support import bucket_support
-from tests.pruning.test_support import DTYPES, PROPERTY, _memory_order, _strides
+from gcomp.packing.support import bucket_support
+from tests.packing.test_support import DTYPES, PROPERTY, _memory_order, _strides
 
 KINDS = ["none", "filters", "channels", "unstructured", "pruned", "kept"]
 

@@ -1,10 +1,12 @@
 """The support of a bucket (the entries its masks keep) and the fast gather/scatter that packs it densely."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
+from gcomp.bucket import INT32_LIMIT
 from gcomp.pruning.masks import positions_digest
 
 _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -28,7 +30,35 @@ class _Scattered:
     positions: torch.Tensor  # int32, absolute in the bucket, increasing
 
 
-class SupportIndex:
+class Support(ABC):
+    """What a bucket keeps, and how it is packed: the interface the mask tracker and the packing codecs use.
+
+    ``numel`` is the bucket's length, ``kept`` the packed vector's; ``segments`` the kept count of each
+    parameter, in bucket order (each parameter's kept entries are one contiguous segment of the packed
+    vector: per-parameter scales rely on it); ``digest`` an int64 (hash, count) of the kept positions, equal
+    on every rank that keeps the same entries; ``index_bytes`` the memory its index holds.
+    """
+
+    numel: int
+    kept: int
+    segments: tuple[int, ...]
+    digest: torch.Tensor
+
+    @property
+    @abstractmethod
+    def index_bytes(self) -> int:
+        """Memory the packing index holds, in bytes."""
+
+    @abstractmethod
+    def gather(self, bucket: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out[:kept]`` = the kept entries of ``bucket`` (``out`` may be longer); returns ``out``."""
+
+    @abstractmethod
+    def scatter(self, packed: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
+        """Write ``packed[:kept]`` onto the kept entries of ``bucket``, zero every other entry; returns it."""
+
+
+class SupportIndex(Support):
     """Which entries of a flat bucket are kept, as contiguous slices plus one int32 index for the rest.
 
     The packed vector lists the kept entries in bucket order, so each parameter's kept entries form one
@@ -40,7 +70,7 @@ class SupportIndex:
         if support.dtype != torch.bool or support.dim() != 1 or support.numel() != sum(numels):
             raise ValueError("support must be a flat bool tensor as long as the bucket")
         n = support.numel()
-        if n >= 2**31:
+        if n > INT32_LIMIT:
             raise ValueError(f"a bucket of {n} entries is too large for int32 positions")
         self.numel = n
         kept_per_param = torch.stack([s.sum() for s in support.split(list(numels))]) if numels else \

@@ -1,4 +1,4 @@
-"""A bucket's support and its packing index (``gcomp.pruning.support``): property tests over random buckets.
+"""A bucket's support and its packing index (``gcomp.packing.support``): property tests over random buckets.
 
 A bucket holds several parameters, some unpruned, some fully pruned, 4-D ones in channels_last too (DDP lays
 their gradients in memory order); each simulated rank's gradient is packed, the packed vectors are summed as
@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gcomp.pruning.masks import positions_digest
-from gcomp.pruning.support import SupportIndex, bucket_support
+from gcomp.packing.support import SupportIndex, bucket_support
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,16 @@
+"""Packing: reducing a pruned model's buckets on what their masks keep (``pactrain`` and ``prunex`` use it).
+
+- ``support``: ``Support``, the interface; ``SupportIndex`` keeps single entries (contiguous slices plus int32
+  positions) and ``bucket_support`` builds a bucket's flat support from its parameters' masks;
+- ``groups``: ``GroupSupport`` keeps whole filters and channels (one index per group, none per entry);
+- ``tracker``: ``MaskTracker``, the per-bucket state machine that decides, from what every rank shares,
+  when a bucket's support is stable and agreed on, so that it may travel packed.
+
+The masks themselves come from ``gcomp.pruning`` (the floor below: it imports nothing from here).
+"""
+from gcomp.packing.groups import GroupSupport
+from gcomp.packing.support import Support, SupportIndex, bucket_support
+from gcomp.packing.tracker import DENSE, ENTRIES, GROUPS, PACKED, TRACKING, BucketTrack, MaskTracker
+
+__all__ = ["BucketTrack", "DENSE", "ENTRIES", "GROUPS", "GroupSupport", "MaskTracker", "PACKED", "Support",
+           "SupportIndex", "TRACKING", "bucket_support"]
