@@ -11,7 +11,7 @@ copy and only the method's own work remains), the hook reduces one fp32 bucket, 
 
 ``pactrain`` runs on a bucket pruned at random at 0.5 and ``prunex`` on one with half its rows pruned, both
 after their tracker froze the support; every other method on a dense random bucket. Times are wall-clock
-medians, operations interleaved within every repeat (``gcomp.bench.codec.median_times``).
+medians, operations interleaved within every repeat (``gcomp.bench.timing.median_times``).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.utils import prune as torch_prune
 
 import gcomp
-from gcomp.bench.codec import median_times
+from gcomp.bench.timing import median_times
 from gcomp.bench.runner import free_port
 
 ROW_WIDTH = 256  # the pruned buckets are (numel / 256, 256) weights

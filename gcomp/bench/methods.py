@@ -22,8 +22,9 @@ POWERSGD_RANK = 2
 
 
 @dataclass(frozen=True)
-class MethodSpec:
-    """A parsed method spec: ``label`` as written, the method ``name`` and its ``params``."""
+class BenchMethod:
+    """One method as a benchmark run compares it (a parsed spec): ``label`` as written, the method ``name`` (a
+    registered gcomp method or one of PyTorch's hooks) and its ``params``."""
 
     label: str
     name: str
@@ -49,11 +50,11 @@ class MethodSpec:
         return gcomp.create(self.name, **self.params).communicator.collective
 
 
-def parse_method(text: str) -> MethodSpec:
+def parse_method(text: str) -> BenchMethod:
     """``name`` or ``name:key=value,...`` (values typed by the method's declared parameters)."""
     text = text.strip()
     if text in TORCH_HOOKS:
-        return MethodSpec(text, text)
+        return BenchMethod(text, text)
     if text.startswith("torch:"):
         raise ValueError(f"unknown PyTorch hook {text!r}; choose one of {', '.join(TORCH_HOOKS)}")
     name, _, rest = text.partition(":")
@@ -66,7 +67,7 @@ def parse_method(text: str) -> MethodSpec:
                              f"({', '.join(declared) or 'none'}); got {item!r}")
         params[key] = _typed(value, declared[key].type)
     gcomp.create(name, **params)  # validates the values now, not in a worker
-    return MethodSpec(text, name, params)
+    return BenchMethod(text, name, params)
 
 
 def _typed(value: str, kind):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import gcomp
-from gcomp.bench.methods import MethodSpec, TorchHook, parse_method
+from gcomp.bench.methods import BenchMethod, TorchHook, parse_method
 from gcomp.bench.workloads import Data, accuracy, load_data, loss_fn, make_model
 from gcomp.pruning import kept_fraction, prune
 
@@ -44,7 +44,7 @@ def batches(data: Data, rank: int, world: int, batch: int, seed: int):
         epoch += 1
 
 
-def build(method: MethodSpec, config: dict, data: Data, pretrained: dict | None):
+def build(method: BenchMethod, config: dict, data: Data, pretrained: dict | None):
     model = make_model(config["model"], data, config["seed"])
     if pretrained is not None:
         model.load_state_dict(pretrained)
@@ -62,7 +62,7 @@ def build(method: MethodSpec, config: dict, data: Data, pretrained: dict | None)
     return model, ddp, stats
 
 
-def run_method(method: MethodSpec, config: dict, data: Data, pretrained: dict | None, log) -> dict:
+def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict | None, log) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ddp, stats = build(method, config, data, pretrained)
     opt = torch.optim.SGD(ddp.parameters(), lr=config["lr"], momentum=config["momentum"])

@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
+from gcomp.bucket_state import BucketState
 from gcomp.collectives import AllgatherCommunicator
+from gcomp.compressors.quantise import stream_seed
 from gcomp.compressors.sparse import SparseCompressor
-from gcomp.core import Method
+from gcomp.core import Method, check_state_keys
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.registry import register
@@ -22,55 +24,6 @@ from gcomp.registry import register
 _BUFFERS = ("momentum", "velocity")
 _SAMPLES_PER_SELECTED = 8  # at least 8 / density samples: the threshold's rank among them is >= 16
 _TARGET, _CAP = 2, 4       # the sampled threshold aims at 2k candidates and keeps at most 4k
-
-
-class _LayoutState:
-    """The momentum and velocity buffers of each bucket layout, moved parameter by parameter when DDP changes
-    its layout and checkpointed per parameter name (as ``ResidualMemory`` does with residuals).
-
-    Each buffer has one scratch entry past the bucket's end, always zero: the selection's empty slots point
-    there, so clearing the sent entries never touches an entry that was not sent."""
-
-    def __init__(self):
-        self.live: dict[str, tuple[BucketInfo, dict[str, torch.Tensor]]] = {}
-        self.by_param: dict[str, dict[str, torch.Tensor]] = {b: {} for b in _BUFFERS}
-
-    def get(self, bucket: BucketInfo, like: torch.Tensor) -> dict[str, torch.Tensor]:
-        entry = self.live.get(bucket.key)
-        if entry is None:
-            self._explode(set(bucket.names))
-            buffers = {}
-            for b in _BUFFERS:
-                t = like.new_zeros(like.numel() + 1)
-                for name, offset, numel in bucket.segments():
-                    piece = self.by_param[b].pop(name, None)
-                    if piece is not None:
-                        if piece.numel() != numel:
-                            raise ValueError(f"dgc: {b} of parameter '{name}' has {piece.numel()} elements, "
-                                             f"the bucket holds {numel}")
-                        t[offset:offset + numel].copy_(piece.reshape(-1))
-                buffers[b] = t
-            entry = self.live[bucket.key] = (bucket, buffers)
-        return entry[1]
-
-    def _explode(self, names: set[str]) -> None:
-        for key in [k for k, (layout, _) in self.live.items() if names.intersection(layout.names)]:
-            layout, buffers = self.live.pop(key)
-            for b in _BUFFERS:
-                for name, offset, numel in layout.segments():
-                    self.by_param[b][name] = buffers[b][offset:offset + numel]
-
-    def state_dict(self) -> dict:
-        out = {b: dict(self.by_param[b]) for b in _BUFFERS}
-        for layout, buffers in self.live.values():
-            for b in _BUFFERS:
-                for name, offset, numel in layout.segments():
-                    out[b][name] = buffers[b][offset:offset + numel].clone()
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        self.live.clear()
-        self.by_param = {b: {n: t.clone() for n, t in state.get(b, {}).items()} for b in _BUFFERS}
 
 
 class DGCCompressor(SparseCompressor):
@@ -95,14 +48,16 @@ class DGCCompressor(SparseCompressor):
         self.warmup_steps, self.warmup_stages = warmup_steps, warmup_stages
         self.world_size, self.rank = 1, 0
         self.steps = 0  # compressing steps begun (counted at bucket 0)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.state = _LayoutState()
+        self.generator = torch.Generator().manual_seed(stream_seed(seed, "dgc", 0))
+        # one scratch entry past each buffer's end, always zero: the selection's empty slots point there, so
+        # clearing the sent entries never touches an entry that was not sent
+        self.state = BucketState(_BUFFERS, spare=1, owner="dgc")
         self._segment_ids: dict[str, torch.Tensor] = {}
 
     def bind(self, model, group, stats) -> None:
         if dist.is_available() and dist.is_initialized():
             self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.generator.manual_seed(self.seed * 1_000_003 + self.rank)  # independent samples per rank
+        self.generator.manual_seed(stream_seed(self.seed, "dgc", self.rank))  # independent samples per rank
 
     def density(self, step: int) -> float:
         """Warm-up: ``warmup_stages`` equal stages over ``warmup_steps``, density ``c ** (stage + 1)`` with
@@ -178,9 +133,7 @@ class DGCCompressor(SparseCompressor):
         return {"generator": self.generator.get_state(), "steps": self.steps, **self.state.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        unknown = set(state) - {"generator", "steps", *_BUFFERS}
-        if unknown:
-            raise ValueError(f"DGCCompressor: unexpected keys {sorted(unknown)}")
+        check_state_keys(self, state, ("generator", "steps", *_BUFFERS))
         self.generator.set_state(state["generator"])
         self.steps = state["steps"]
         self.state.load_state_dict(state)
@@ -198,7 +151,7 @@ def dgc(
     warmup_steps: Annotated[int, Range(0, None), "compressing steps of density warm-up (0: none)"] = 0,
     warmup_stages: Annotated[int, Range(1, None), "warm-up stages, density falling exponentially to ratio"] = 4,
     sample_ratio: Annotated[float, Range(0, 1, low_open=True), "fraction of |v| sampled for the threshold"] = 0.01,
-    seed: Annotated[int, Range(0, None), "seed of the sample offsets (each rank offsets it by its rank)"] = 0,
+    seed: Annotated[int, Range(0, None), "seed of the sample offsets (each rank draws its own stream from it)"] = 0,
 ) -> Method:
     """Deep Gradient Compression: momentum-corrected top-k by sampled threshold, masking, warm-up, all-gather."""
     return Method(DGCCompressor(ratio, momentum, nesterov, masking, clip_norm, warmup_steps, warmup_stages,

@@ -8,7 +8,7 @@ from typing import Annotated
 import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.compressors.terngrad import RankGenerator, rank_and_world, work_dtype
+from gcomp.compressors.quantise import RankGenerator, rank_and_world, work_dtype
 from gcomp.core import ALLGATHER, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -39,7 +39,7 @@ class NaturalCompressor(Compressor):
     collective = ALLGATHER
 
     def __init__(self, seed: int = 0):
-        self.random = RankGenerator(seed)
+        self.random = RankGenerator(seed, "natural")
 
     def bind(self, model, group, stats) -> None:
         self.random.bind(rank_and_world(group)[0])
@@ -78,7 +78,7 @@ class NaturalCompressor(Compressor):
 
 
 @register("natural", paper="Horváth, Ho, Horváth, Sahu, Canini, Richtárik 2019 (natural compression)")
-def natural(seed: Annotated[int, Range(0, None), "seed of the draws (each rank offsets it by its rank)"] = 0
+def natural(seed: Annotated[int, Range(0, None), "seed of the draws (each rank draws its own stream from it)"] = 0
             ) -> Method:
     """Natural compression: entries rounded at random to a power of two (unbiased), 9 bits each, all-gather."""
     return Method(NaturalCompressor(seed), NoMemory(), AllgatherCommunicator())

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import torch
-import torch.distributed as dist
 
 from gcomp.collectives import bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
+from gcomp.compressors.quantise import RankGenerator, per_segment_, rank_and_world, segment_scales
 from gcomp.core import ALLREDUCE, MAX, SUM, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -55,16 +55,14 @@ class PacTrainCompressor(ChainedCompressor):
         self.ternary, self.clip, self.error_feedback, self.seed = ternary, clip, error_feedback, seed
         self.lossless = not ternary
         self.world_size, self.rank = 1, 0
-        self.generator = torch.Generator().manual_seed(seed)
+        self.random = RankGenerator(seed, "pactrain")
         self.stats: dict = {}
 
     def bind(self, model, group, stats) -> None:
         self.tracker.bind(model, stats)
         self.stats = stats
-        if dist.is_available() and dist.is_initialized():
-            self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        # Independent draws per rank: the same seed everywhere would round every rank's entries alike.
-        self.generator.manual_seed(self.seed * 1_000_003 + self.rank)
+        self.rank, self.world_size = rank_and_world(group)
+        self.random.bind(self.rank)  # independent draws per rank
 
     # --- encode ---------------------------------------------------------------------------------------------
 
@@ -111,7 +109,7 @@ class PacTrainCompressor(ChainedCompressor):
             buffers["codes"] = torch.zeros(fields, dtype=torch.uint8, device=device)
         return buffers
 
-    # The ternary path in its parts (``gcomp.bench.codec`` times each): gather_values, local_scales, then,
+    # The ternary path in its parts (``gcomp.bench.pactrain_codec`` times each): gather_values, local_scales, then,
     # with the shared scales, draw_codes and bitpack.pack; after the SUM, decode_values and support.scatter.
 
     def gather_values(self, track: BucketTrack, tensor: torch.Tensor) -> torch.Tensor:
@@ -128,18 +126,11 @@ class PacTrainCompressor(ChainedCompressor):
         return values
 
     def local_scales(self, track: BucketTrack) -> torch.Tensor:
-        """max |value| per parameter segment (capped at clip * std with clipping), then two flag slots."""
+        """max |value| per parameter segment (capped at clip * std with clipping, TernGrad's rule:
+        ``quantise.segment_scales``), then two flag slots."""
         values, magnitudes, segments = track.buffers["values"], track.buffers["prob"], track.support.segments
-        magnitudes = magnitudes[:values.numel()]
         scales = torch.zeros(len(segments) + 2, dtype=torch.float32, device=values.device)
-        start = 0
-        for j, n in enumerate(segments):  # a loop over parameters, not entries
-            if n:
-                torch.amax(magnitudes[start:start + n], dim=0, out=scales[j])
-                if self.clip > 0:
-                    std = torch.std(values[start:start + n], correction=0)
-                    torch.minimum(scales[j], self.clip * std, out=scales[j])
-                start += n
+        segment_scales(values, segments, self.clip, magnitudes[:values.numel()], out=scales[:-2])
         # A NaN scale might be lost in a MAX all-reduce (max(a, NaN) depends on the order), so a flag slot
         # carries the fact itself: a non-finite gradient on any rank decodes to non-finite on every rank.
         scales[-1] = (~torch.isfinite(scales[:-2])).any()
@@ -157,35 +148,20 @@ class PacTrainCompressor(ChainedCompressor):
         buffers, segments, k = track.buffers, track.support.segments, track.support.kept
         values, draws, hit = buffers["values"], buffers["draws"], buffers["hit"]
         prob, codes = buffers["prob"][:k], buffers["codes"][:k]  # past k: the lanes' zero padding
-        self._per_segment(prob, scales, segments, torch.Tensor.div_)  # |value| / shared scale, in [0, 1]
+        per_segment_(prob, scales[:-2], segments, torch.Tensor.div_)  # |value| / shared scale, in [0, 1]
         if self.clip > 0:
             prob.clamp_(max=1.0)
-        draws.uniform_(generator=self._generator(values.device))
+        draws.uniform_(generator=self.random(values.device))
         torch.lt(draws, prob, out=hit)  # a NaN probability never hits: t = 0
         # codes = t + 1 = (2 * (value > 0) - 1) * hit + 1, in {0, 1, 2}; the bool views avoid temporaries
         torch.gt(values, 0, out=codes.view(torch.bool))
         codes.mul_(2).sub_(1).mul_(hit.view(torch.uint8)).add_(1)
         if self.error_feedback:
             sent = prob.copy_(codes).sub_(1)  # prob is free again: reuse it for what was sent
-            self._per_segment(sent, scales, segments, torch.Tensor.mul_)
+            per_segment_(sent, scales[:-2], segments, torch.Tensor.mul_)
             residual = torch.sub(values, sent, out=buffers.get("residual"))
             buffers["residual"] = residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         return buffers["codes"]
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device.type == "cpu":
-            return self.generator
-        if getattr(self, "_device_generator", None) is None or self._device_generator.device != device:
-            self._device_generator = torch.Generator(device).manual_seed(self.seed * 1_000_003 + self.rank)
-        return self._device_generator
-
-    @staticmethod
-    def _per_segment(x: torch.Tensor, scales: torch.Tensor, segments, op) -> None:
-        start = 0
-        for j, n in enumerate(segments):
-            if n:
-                op(x[start:start + n], scales[j])
-                start += n
 
     # --- decode ---------------------------------------------------------------------------------------------
 
@@ -219,16 +195,16 @@ class PacTrainCompressor(ChainedCompressor):
         values.sub_(self.world_size)
         # A non-finite gradient on any rank: every scale becomes NaN, and so every decoded entry.
         shared = scales[:-2] + torch.where(scales[-1] > 0, torch.nan, 0.0)
-        self._per_segment(values, shared, support.segments, torch.Tensor.mul_)
+        per_segment_(values, shared, support.segments, torch.Tensor.mul_)
         return values
 
     # --- checkpoint -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "tracker": self.tracker.state_dict()}
+        return {"generator": self.random.state_dict(), "tracker": self.tracker.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        self.random.load_state_dict(state["generator"])
         self.tracker.load_state_dict(state["tracker"])
 
 
@@ -239,7 +215,7 @@ def pactrain(
     dense_above: Annotated[float, Range(0, 1), "keep a bucket dense when its support keeps more than this"] = 0.9,
     clip: Annotated[float, Range(0, None), "ternary: clip at clip * std per parameter (TernGrad: 2.5; 0 off)"] = 0.0,
     error_feedback: Annotated[bool, "ternary: add what ternarising lost to the next step"] = False,
-    seed: Annotated[int, Range(0, None), "seed of the ternary draws (each rank offsets it by its rank)"] = 0,
+    seed: Annotated[int, Range(0, None), "seed of the ternary draws (each rank draws its own stream from it)"] = 0,
 ) -> Method:
     """PacTrain: only the entries the pruning masks keep are all-reduced, packed densely, once stable."""
     return Method(PacTrainCompressor(stable_steps, dense_above, ternary, clip, error_feedback, seed), NoMemory(),

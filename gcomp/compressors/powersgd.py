@@ -14,14 +14,14 @@ P_i^ P_i^T M_i, which is all a pure local codec can say about it.
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from typing import Annotated
 
 import torch
 
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
-from gcomp.core import ALLREDUCE, Method, Payload
+from gcomp.compressors.quantise import stream_seed
+from gcomp.core import ALLREDUCE, Method, Payload, check_state_keys
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.registry import register
@@ -92,9 +92,12 @@ class PowerSGDCompressor(ChainedCompressor):
 
     def __init__(self, rank: int = 1, min_compression_rate: float = 2.0, error_feedback: bool = True,
                  warm_start: bool = True, seed: int = 0):
-        self.rank, self.min_compression_rate = rank, min_compression_rate
+        # ``rank`` is the matrix rank of the approximation (the public name, as in PyTorch's hook); kept as
+        # ``approx_rank``, since a rank everywhere else in gcomp is a process's
+        self.approx_rank, self.min_compression_rate = rank, min_compression_rate
         self.error_feedback, self.warm_start, self.seed = error_feedback, warm_start, seed
-        self.generator = torch.Generator().manual_seed(seed)  # fresh queries when warm_start is off
+        # fresh queries when warm_start is off, the same on every rank
+        self.generator = torch.Generator().manual_seed(stream_seed(seed, "powersgd"))
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._plans: dict[str, _Plan] = {}
         self._queries: dict[str, torch.Tensor] = {}  # warm start: last step's mean Q per parameter
@@ -120,7 +123,7 @@ class PowerSGDCompressor(ChainedCompressor):
             shape = self.shapes.get(name)
             if shape is not None and len(shape) >= 2 and numel > 0 and shape[0] * (numel // shape[0]) == numel:
                 n, m = shape[0], numel // shape[0]
-                r = min(n, m, self.rank)
+                r = min(n, m, self.approx_rank)
                 if (n + m) * r * self.min_compression_rate < n * m:
                     matrices.append((name, offset, n, m, r))
                     continue
@@ -144,7 +147,7 @@ class PowerSGDCompressor(ChainedCompressor):
         whatever bucket the parameter lies in or the order buckets are first seen."""
         q = self._initial.get(mat.name)
         if q is None or q.shape != (mat.m, mat.r):
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(mat.name.encode()))
+            g = torch.Generator().manual_seed(stream_seed(self.seed, "powersgd", key=mat.name))
             q = self._initial[mat.name] = torch.randn(mat.m, mat.r, generator=g, dtype=torch.float64)
         return q
 
@@ -236,9 +239,7 @@ class PowerSGDCompressor(ChainedCompressor):
                 "errors": dict(self._errors)}
 
     def load_state_dict(self, state: dict) -> None:
-        unknown = set(state) - {"generator", "queries", "errors"}
-        if unknown:
-            raise ValueError(f"PowerSGDCompressor: unexpected keys {sorted(unknown)}")
+        check_state_keys(self, state, ("generator", "queries", "errors"))
         self.generator.set_state(state["generator"])
         self._queries = {n: t.clone() for n, t in state["queries"].items()}
         self._errors = {n: t.clone() for n, t in state["errors"].items()}

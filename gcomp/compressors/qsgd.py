@@ -7,8 +7,8 @@ from typing import Annotated
 import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.compressors.terngrad import (RankGenerator, per_segment_, rank_and_world, segment_lengths, wire_scale,
-                                       work_dtype)
+from gcomp.compressors.quantise import (RankGenerator, per_segment_, rank_and_world, segment_lengths, wire_scale,
+                                        work_dtype)
 from gcomp.core import ALLGATHER, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -42,7 +42,7 @@ class QSGDCompressor(Compressor):
 
     def __init__(self, levels: int = 127, seed: int = 0):
         self.levels, self.bits = levels, field_bits(levels)
-        self.random = RankGenerator(seed)
+        self.random = RankGenerator(seed, "qsgd")
 
     def bind(self, model, group, stats) -> None:
         self.random.bind(rank_and_world(group)[0])
@@ -93,7 +93,7 @@ class QSGDCompressor(Compressor):
 def qsgd(
     levels: Annotated[int, Range(1, MAX_LEVELS), "quantisation levels s per sign (bits per entry: log2(2s+1) up)"
                       ] = 127,
-    seed: Annotated[int, Range(0, None), "seed of the draws (each rank offsets it by its rank)"] = 0,
+    seed: Annotated[int, Range(0, None), "seed of the draws (each rank draws its own stream from it)"] = 0,
 ) -> Method:
     """QSGD: entries rounded at random onto s levels of their parameter's L2 norm (unbiased), by all-gather."""
     return Method(QSGDCompressor(levels, seed), NoMemory(), AllgatherCommunicator())

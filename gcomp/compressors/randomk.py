@@ -6,7 +6,8 @@ from typing import Annotated
 import torch
 
 from gcomp.collectives import AllreduceCommunicator
-from gcomp.core import ALLREDUCE, Compressor, Method, Payload
+from gcomp.compressors.quantise import stream_seed
+from gcomp.core import ALLREDUCE, Compressor, Method, Payload, check_state_keys
 from gcomp.memory import ResidualMemory
 from gcomp.params import Range
 from gcomp.registry import register
@@ -26,7 +27,7 @@ class RandomKCompressor(Compressor):
 
     def __init__(self, ratio: float, seed: int = 0):
         self.ratio = ratio
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(stream_seed(seed, "randomk"))  # the same on every rank
 
     def compress(self, tensor, bucket):
         n = tensor.numel()
@@ -49,9 +50,7 @@ class RandomKCompressor(Compressor):
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        unknown = set(state) - {"generator"}
-        if unknown:
-            raise ValueError(f"RandomKCompressor: unexpected keys {sorted(unknown)}")
+        check_state_keys(self, state, ("generator",))
         self.generator.set_state(state["generator"])
 
 

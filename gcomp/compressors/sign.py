@@ -20,8 +20,9 @@ from typing import Annotated
 
 import torch
 
+from gcomp.bucket_state import BucketState
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.core import ALLGATHER, Compressor, Method, Payload
+from gcomp.core import ALLGATHER, Compressor, Method, Payload, check_state_keys
 from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.params import OneOf, Range
 from gcomp.registry import register
@@ -83,19 +84,6 @@ class ScaledSignCompressor(Compressor):
         return (scales.reshape(1, world) @ _plus_minus(bits)).reshape(n).to(dtype)
 
 
-class _PerParameterStore(ResidualMemory):
-    """A flat fp32 tensor per bucket layout that follows its parameters through DDP's rebuilds and checkpoints
-    (ResidualMemory's bookkeeping, used as plain storage)."""
-
-    def get(self, bucket, like: torch.Tensor) -> torch.Tensor | None:
-        stored = self._residuals.get(bucket.key)
-        return self._adopt(bucket, like) if stored is None else stored
-
-    def put(self, bucket, tensor: torch.Tensor) -> None:
-        self._residuals[bucket.key] = tensor
-        self._layouts[bucket.key] = bucket
-
-
 class SignumCompressor(ScaledSignCompressor):
     """Signum: keeps ``m = momentum * m + (1 - momentum) * g`` per bucket (fp32, per parameter in checkpoints)
     and sends ``sign(m)`` as 1 bit per entry plus ``mean(|m|)`` as one fp32 number, by all-gather.
@@ -109,24 +97,23 @@ class SignumCompressor(ScaledSignCompressor):
     def __init__(self, momentum: float, aggregate: str = "mean"):
         super().__init__(aggregate)
         self.momentum = momentum
-        self._store = _PerParameterStore()
+        self._store = BucketState(("momentum",), owner="signum")
 
     def compress(self, tensor, bucket):
         g = tensor.to(torch.float32)
-        old = self._store.get(bucket, g)
-        m = g * (1.0 - self.momentum) if old is None else old.mul(self.momentum).add_(g, alpha=1.0 - self.momentum)
+        old = self._store.find(bucket, g)
+        m = (g * (1.0 - self.momentum) if old is None
+             else old["momentum"].mul(self.momentum).add_(g, alpha=1.0 - self.momentum))
         payload = self._encode(m, tensor.dtype)
-        self._store.put(bucket, torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0))
+        self._store.put(bucket, {"momentum": torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)})
         return payload
 
     def state_dict(self) -> dict:
-        return {"momentum": self._store.state_dict()["residuals"]}
+        return self._store.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        unknown = set(state) - {"momentum"}
-        if unknown:
-            raise ValueError(f"SignumCompressor: unexpected keys {sorted(unknown)}")
-        self._store.load_state_dict({"residuals": state.get("momentum", {})})
+        check_state_keys(self, state, ("momentum",))
+        self._store.load_state_dict(state)
 
 
 _AGGREGATE_HELP = "how ranks' signs combine: 'mean' of the scaled signs, or 'majority' vote (ties 0)"

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from gcomp.bucket import index_dtype
 from gcomp.core import ALLGATHER, Compressor, Payload
-
-_INT32_LIMIT = 2**31 - 1
 
 
 class SparseCompressor(Compressor):
@@ -20,7 +19,7 @@ class SparseCompressor(Compressor):
     def sparse_payload(values: torch.Tensor, index: torch.Tensor, like: torch.Tensor) -> Payload:
         """``values`` at int64 positions ``index`` of a bucket shaped like ``like``."""
         n = like.numel()
-        index = index.to(torch.int32) if n <= _INT32_LIMIT else index
+        index = index.to(index_dtype(n))
         return Payload([values, index], ctx=(n, like.dtype))
 
     def decompress(self, tensors, ctx):

@@ -1,100 +1,19 @@
-"""``terngrad``: stochastic ternary codes {-1, 0, 1} times one scale per parameter (Wen et al., NeurIPS 2017).
-
-Also home of three small helpers the other stochastic quantisers (``qsgd``, ``natural``) share: the rank-seeded
-generator, per-parameter segments of a bucket and the fp32 wire form of a scale.
-"""
+"""``terngrad``: stochastic ternary codes {-1, 0, 1} times one scale per parameter (Wen et al., NeurIPS 2017)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Annotated
 
 import torch
-import torch.distributed as dist
 
-from gcomp.bucket import BucketInfo
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
+from gcomp.compressors.quantise import (RankGenerator, per_segment_, rank_and_world, segment_lengths, segment_scales,
+                                        wire_scale, work_dtype)
 from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import OneOf, Range
 from gcomp.registry import register
-
-# --- shared helpers -------------------------------------------------------------------------------------------
-
-
-class RankGenerator:
-    """A compressor's random source: one ``torch.Generator`` per device, seeded ``seed * 1_000_003 + rank``.
-
-    Ranks draw independently (the same seed everywhere would round every rank's entries alike); the state of
-    every generator used so far goes into ``state_dict``, and one loaded before its device is first used is
-    applied when it is.
-    """
-
-    def __init__(self, seed: int):
-        self.seed, self.rank = seed, 0
-        self._generators: dict[str, torch.Generator] = {}
-        self._pending: dict[str, torch.Tensor] = {}
-
-    def bind(self, rank: int) -> None:
-        self.rank = rank
-        self._generators.clear()
-
-    def __call__(self, device: torch.device) -> torch.Generator:
-        key = str(device)
-        generator = self._generators.get(key)
-        if generator is None:
-            generator = torch.Generator(device).manual_seed(self.seed * 1_000_003 + self.rank)
-            pending = self._pending.pop(key, None)
-            if pending is not None:
-                generator.set_state(pending)
-            self._generators[key] = generator
-        return generator
-
-    def state_dict(self) -> dict:
-        return {**self._pending, **{key: g.get_state() for key, g in self._generators.items()}}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._generators.clear()
-        self._pending = {key: value.clone() for key, value in state.items()}
-
-
-def rank_and_world(group) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
-
-
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for 16-bit buckets (and fp32), fp64 for fp64 buckets."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def segment_lengths(bucket: BucketInfo, n: int) -> tuple[int, ...]:
-    """The bucket's parameter sizes, or one segment when the layout does not describe the tensor."""
-    return tuple(bucket.numels) if bucket.numel == n and bucket.numels else (n,)
-
-
-def per_segment_(x: torch.Tensor, scales: torch.Tensor, lengths: tuple[int, ...], op) -> torch.Tensor:
-    """``op(segment, its scale)`` in place for each segment along the last dimension of ``x`` (``scales``:
-    one per segment along its last dimension). A loop over parameters, not entries: it needs no per-entry
-    index tensor (as large as the bucket), and ``repeat_interleave`` is far slower on CPU."""
-    for view, scale in zip(torch.split(x, lengths, dim=-1), scales.unbind(-1)):
-        if view.numel():
-            op(view, scale.unsqueeze(-1))
-    return x
-
-
-def wire_scale(scale: torch.Tensor) -> torch.Tensor:
-    """``scale`` as fp32, rounded up where fp32 rounding would make it smaller (fp64 buckets), so that
-    ``|value| / wire_scale <= 1`` still holds for every entry the scale bounds. NaN stays NaN."""
-    wire = scale.to(torch.float32)
-    if scale.dtype == torch.float64:
-        wire = torch.where(wire.double() < scale, torch.nextafter(wire, torch.full_like(wire, torch.inf)), wire)
-    return wire
-
-
-# --- the codec ----------------------------------------------------------------------------------------------
-
 
 @dataclass
 class _Ctx:
@@ -117,27 +36,12 @@ class TernGradCompressor(Compressor):
 
     def __init__(self, clip: float = 2.5, seed: int = 0):
         self.clip = clip
-        self.random = RankGenerator(seed)
+        self.random = RankGenerator(seed, "terngrad")
         self.world_size = 1
 
     def bind(self, model, group, stats) -> None:
         rank, self.world_size = rank_and_world(group)
         self.random.bind(rank)
-
-    def local_scales(self, values: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-        """max |value| per segment, capped at ``clip * std`` (std about the mean, TernGrad's) when that is
-        positive (a constant segment, one entry for instance, is not clipped to zero)."""
-        magnitudes = values.abs()
-        scales = torch.zeros(len(lengths), dtype=values.dtype, device=values.device)
-        start = 0
-        for j, n in enumerate(lengths):  # a loop over parameters, not entries
-            if n:
-                torch.amax(magnitudes[start:start + n], dim=0, out=scales[j])
-                if self.clip > 0:
-                    cap = self.clip * torch.std(values[start:start + n], correction=0)
-                    scales[j] = torch.where(cap > 0, torch.minimum(scales[j], cap), scales[j])
-                start += n
-        return scales
 
     def draw_codes(self, values: torch.Tensor, scales: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
         """``t + 1`` in {0, 1, 2} as uint8, with ``P(t = sign value) = min(1, |value| / scale)``; an entry whose
@@ -150,7 +54,7 @@ class TernGradCompressor(Compressor):
     def compress(self, tensor, bucket):
         values = tensor.to(work_dtype(tensor.dtype))
         n, lengths = values.numel(), segment_lengths(bucket, values.numel())
-        scales = wire_scale(self.local_scales(values, lengths))
+        scales = wire_scale(segment_scales(values, lengths, self.clip))
         words = bitpack.pack(self.draw_codes(values, scales, lengths), 2)
         return Payload([scales, words], _Ctx(n, tensor.dtype, lengths))
 
@@ -187,7 +91,7 @@ class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):
         n, lengths = values.numel(), segment_lengths(bucket, values.numel())
         segments = len(lengths)
         scales = torch.empty(segments + 1, dtype=torch.float32, device=values.device)
-        scales[:segments] = wire_scale(self.local_scales(values, lengths))
+        scales[:segments] = wire_scale(segment_scales(values, lengths, self.clip))
         scales[segments] = (~torch.isfinite(scales[:segments])).any()
         bits = bitpack.lane_bits(self.world_size)
         lanes = torch.zeros(bitpack.packed_words(n, bits), dtype=torch.int64, device=values.device)
@@ -216,7 +120,7 @@ def terngrad(
     collective: Annotated[str, OneOf(ALLGATHER, ALLREDUCE),
                           "allgather: 2-bit codes and own scales; allreduce: shared MAX scale, integer lanes"
                           ] = ALLGATHER,
-    seed: Annotated[int, Range(0, None), "seed of the draws (each rank offsets it by its rank)"] = 0,
+    seed: Annotated[int, Range(0, None), "seed of the draws (each rank draws its own stream from it)"] = 0,
 ) -> Method:
     """TernGrad: each entry becomes -s, 0 or +s at random, s one scale per parameter (unbiased unless clipped)."""
     if collective == ALLREDUCE:

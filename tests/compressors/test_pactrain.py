@@ -4,7 +4,7 @@ to the kept fraction, the mask tracker in DDP (warm-up, rebuild, ranks that disa
 channels_last, and checkpoints.
 
 The multi-rank tests read one cached rank job per world size (tests/compressors/pactrain_jobs.py). The support
-index and the tracker's state machine have their own files: tests/pruning/test_support.py and test_tracker.py.
+index and the tracker's state machine have their own files: tests/packing/test_support.py and test_tracker.py.
 """
 from __future__ import annotations
 
@@ -160,6 +160,28 @@ def test_ternary_is_unbiased(world):
     assert (err[support] <= bound[support]).all(), (
         f"biased: worst entry off by {(err - bound)[support].max().item():.3g} beyond 6 standard errors")
     assert torch.equal(mean[zero], torch.zeros(len(zero), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("clip", [2.5, float("inf")])
+def test_ternary_clipping_sends_a_one_entry_parameter_as_it_is(clip):
+    """A one-entry parameter has standard deviation 0, so ``clip * std`` is 0 (or NaN for an infinite clip). By
+    TernGrad's rule (``quantise.segment_scales``) such a cap is ignored: the scale stays max |g|, and a bias of
+    -10 on every rank is sent exactly (probability 1), neither as 0 nor as NaN."""
+    g = torch.Generator().manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 1))
+    prune.custom_from_mask(model[0], "weight", (torch.rand(6, 8, generator=g) < 0.5).float())
+    params = dict(model.named_parameters())
+    names = list(params)[::-1]  # DDP's order: the last layer first, so its one-entry bias leads the bucket
+    info = BucketInfo.from_layout(0, torch.float32, names, [params[n].numel() for n in names])
+    assert names[0] == "1.bias" and info.numels[0] == 1
+    world = 3
+    grads = [torch.randn(info.numel, generator=g) for _ in range(world)]
+    for grad in grads:
+        grad[0] = -10.0
+    comps = _compressors(world, model, ternary=True, clip=clip)
+    _reach("ternary", comps, info, grads)
+    for decoded in _exchange(comps, info, grads)[1]:
+        assert decoded[0] == -10.0 * world, decoded[0]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])

@@ -17,7 +17,8 @@ from torch import nn
 import gcomp
 from gcomp import BucketInfo
 from gcomp.collectives import bitpack
-from gcomp.compressors.terngrad import SharedScaleTernGradCompressor, TernGradCompressor, wire_scale
+from gcomp.compressors.quantise import wire_scale
+from gcomp.compressors.terngrad import SharedScaleTernGradCompressor, TernGradCompressor
 from tests.distributed import run_ranks
 from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, mlp, teacher_labels, train
 

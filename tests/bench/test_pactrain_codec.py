@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from gcomp.bench.codec import TERNARY_PARTS, markdown, run, synthetic_bucket
+from gcomp.bench.pactrain_codec import TERNARY_PARTS, markdown, run, synthetic_bucket
 from gcomp.collectives import bitpack
 from gcomp.packing.support import SupportIndex
 

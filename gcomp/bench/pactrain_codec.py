@@ -1,6 +1,7 @@
-"""Codec speed: mask-pack and PacTrain's ternary path against a plain copy of the bucket (one rank, no network).
+"""PacTrain's codec speed: mask-pack and the ternary path, part by part, against a plain copy of the bucket (one
+rank, no network). ``gcomp bench --codec`` (``codec_table.py``) compares every method as a whole.
 
-    python -m gcomp.bench.codec --sizes-mb 1 4 16 64 --ratio 0.5 --dtype float32 --world 4 --threads 1
+    python -m gcomp.bench.pactrain_codec --sizes-mb 1 4 16 64 --ratio 0.5 --dtype float32 --world 4 --threads 1
 
 Each bucket is synthetic but laid out like a pruned model: conv kernels (one of them channels_last) and weight
 matrices pruned unstructured at random at ``ratio``, with small dense biases between them. Timed side by side,
@@ -22,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 from typing import Callable, Sequence
 
 import torch
 
+from gcomp.bench.timing import median_times
 from gcomp.bucket import BucketInfo
 from gcomp.collectives import bitpack
 from gcomp.compressors.pactrain import PacTrainCompressor
@@ -37,7 +38,6 @@ from gcomp.packing.tracker import PACKED, BucketTrack, MaskTracker
 # (weight shape, channels_last) of the layers a synthetic bucket cycles through, each followed by its bias.
 LAYERS = (((128, 64, 3, 3), True), ((256, 128, 3, 3), False), ((512, 512), False), ((64, 64, 3, 3), False),
           ((1024, 256), False))
-TARGET_S = 0.02  # each timed sample repeats its operation until it lasts about this long
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 TERNARY_PARTS = ("gather", "scales", "codes", "pack", "unpack", "scatter")
 
@@ -61,27 +61,6 @@ def synthetic_bucket(numel: int, ratio: float, dtype: torch.dtype, generator: to
     support = bucket_support(params, numel)
     bucket = torch.randn(numel, generator=generator).mul_(support).to(dtype)
     return bucket, support, params
-
-
-def _timed(fn: Callable[[], object], inner: int, clock: Callable[[], float]) -> float:
-    begin = clock()
-    for _ in range(inner):
-        fn()
-    return (clock() - begin) / inner
-
-
-def median_times(ops: dict[str, Callable[[], object]], repeats: int,
-                 clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Median seconds per call of each operation, the operations interleaved within every repeat."""
-    inner = {}
-    for name, fn in ops.items():  # warm up, then size each sample to about TARGET_S
-        fn()
-        inner[name] = max(1, min(1000, math.ceil(TARGET_S / max(_timed(fn, 1, clock), 1e-9))))
-    names, samples = list(ops), {name: [] for name in ops}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            samples[name].append(_timed(ops[name], inner[name], clock))
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def peak_extra_bytes(fn: Callable[[], object]) -> float:
@@ -242,7 +221,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gcomp.bench.codec", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gcomp.bench.pactrain_codec", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--ratio", type=float, default=0.5, help="fraction of each weight pruned")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])

@@ -1,0 +1,83 @@
+"""Flat tensors laid out like a bucket that follow their parameters through DDP's bucket rebuilds and checkpoints.
+
+Error feedback (``ResidualMemory``), DGC's momentum and velocity and Signum's momentum keep per-bucket state that
+must survive two things: DDP regrouping the parameters into other buckets (its rebuild after the first step,
+or a fresh DDP after a checkpoint), and a checkpoint that does not depend on how DDP happened to group them.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from gcomp.bucket import BucketInfo
+
+
+class BucketState:
+    """Named slots (``"residuals"``, or ``"momentum"`` and ``"velocity"``), each one flat tensor per bucket layout.
+
+    A layout seen for the first time takes its slots over from the pieces of the layouts it shares a
+    parameter with (moved parameter by parameter, by name), or from a loaded checkpoint; ``state_dict`` stores
+    every slot per parameter name: ``{slot: {parameter name: flat tensor}}``. ``spare`` entries past the
+    bucket's end (DGC's scratch entry) belong to the layout, not to a parameter: they start at zero.
+    """
+
+    def __init__(self, slots: Sequence[str], spare: int = 0, owner: str = "state"):
+        self.slots, self.spare, self.owner = tuple(slots), spare, owner
+        self._live: dict[str, tuple[BucketInfo, dict[str, torch.Tensor]]] = {}
+        self._pieces: dict[str, dict[str, torch.Tensor]] = {s: {} for s in self.slots}  # not yet placed
+
+    def find(self, bucket: BucketInfo, like: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The slots of ``bucket``'s layout, built from known pieces on first sight (zeros where a parameter has
+        none); None when no slot holds anything for any of its parameters."""
+        entry = self._live.get(bucket.key)
+        if entry is not None:
+            return entry[1]
+        self._split_stale(set(bucket.names))
+        if not any(name in self._pieces[s] for s in self.slots for name in bucket.names):
+            return None
+        return self._adopt(bucket, like)
+
+    def get(self, bucket: BucketInfo, like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``find``, or zeros (shaped like ``like`` plus ``spare`` entries) kept for the layout from now on."""
+        found = self.find(bucket, like)
+        return found if found is not None else self._adopt(bucket, like)
+
+    def put(self, bucket: BucketInfo, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep ``tensors`` (every slot, laid out like ``bucket``; taken over, not copied) for the layout."""
+        self._live[bucket.key] = (bucket, tensors)
+
+    def _adopt(self, bucket: BucketInfo, like: torch.Tensor) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for slot in self.slots:
+            flat = like.new_zeros(like.numel() + self.spare)
+            for name, offset, numel in bucket.segments():
+                piece = self._pieces[slot].pop(name, None)
+                if piece is not None:
+                    if piece.numel() != numel:
+                        raise ValueError(f"{self.owner}: the {slot} of parameter '{name}' hold {piece.numel()} "
+                                         f"elements, the bucket holds {numel}")
+                    flat[offset:offset + numel].copy_(piece.reshape(-1))
+            tensors[slot] = flat
+        self.put(bucket, tensors)
+        return tensors
+
+    def _split_stale(self, names: set[str]) -> None:
+        """Cut the layouts that share a parameter with ``names`` into per-parameter pieces (views, no copy)."""
+        for key in [k for k, (layout, _) in self._live.items() if names.intersection(layout.names)]:
+            layout, tensors = self._live.pop(key)
+            for slot in self.slots:
+                for name, offset, numel in layout.segments():
+                    self._pieces[slot][name] = tensors[slot][offset:offset + numel]
+
+    def state_dict(self) -> dict:
+        out = {slot: dict(self._pieces[slot]) for slot in self.slots}
+        for layout, tensors in self._live.values():
+            for slot in self.slots:
+                for name, offset, numel in layout.segments():
+                    out[slot][name] = tensors[slot][offset:offset + numel].clone()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        self._live.clear()
+        self._pieces = {s: {name: t.clone() for name, t in state.get(s, {}).items()} for s in self.slots}

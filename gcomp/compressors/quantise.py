@@ -1,0 +1,118 @@
+"""What the stochastic quantisers (``terngrad``, ``qsgd``, ``natural``, ``pactrain``'s ternary path) share: random
+streams per rank, per-parameter segments of a bucket and their scales, the work dtype, the wire form of a scale.
+
+Random streams: a method's stream is seeded with ``stream_seed(seed, tag, rank)``, a 63-bit hash of the user's
+seed, the method's tag and the rank (and, where a stream belongs to a parameter, its name). A plain formula such
+as ``seed * C + rank`` makes seed 0 on rank r replay ``torch.Generator().manual_seed(r)``, which a user's own
+code may draw from too (data order, initialisation): two streams meant to be independent would then be one.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from gcomp.bucket import BucketInfo
+
+_SEED_BITS = 63  # torch seeds are 64-bit; staying below the sign bit keeps every API happy
+
+
+def stream_seed(seed: int, tag: str, rank: int | None = None, key: str = "") -> int:
+    """The seed of one random stream: a hash of ``seed``, the method ``tag``, the ``rank`` (None: a stream every
+    rank shares, such as ``randomk``'s positions) and an optional ``key`` (a parameter name)."""
+    text = f"gcomp|{tag}|{int(seed)}|{'shared' if rank is None else int(rank)}|{key}"
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << _SEED_BITS) - 1)
+
+
+class RankGenerator:
+    """A compressor's random source: one ``torch.Generator`` per device, seeded ``stream_seed(seed, tag, rank)``.
+
+    Ranks draw independently once ``bind(rank)`` is called (the same stream everywhere would round every
+    rank's entries alike); the state of every generator used so far goes into ``state_dict``, and one loaded
+    before its device is first used is applied when it is.
+    """
+
+    def __init__(self, seed: int, tag: str):
+        self.seed, self.tag, self.rank = seed, tag, 0
+        self._generators: dict[str, torch.Generator] = {}
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def bind(self, rank: int) -> None:
+        self.rank = rank
+        self._generators.clear()
+
+    def __call__(self, device: torch.device | str) -> torch.Generator:
+        key = str(torch.device(device))
+        generator = self._generators.get(key)
+        if generator is None:
+            generator = torch.Generator(device).manual_seed(stream_seed(self.seed, self.tag, self.rank))
+            pending = self._pending.pop(key, None)
+            if pending is not None:
+                generator.set_state(pending)
+            self._generators[key] = generator
+        return generator
+
+    def state_dict(self) -> dict:
+        return {**self._pending, **{key: g.get_state() for key, g in self._generators.items()}}
+
+    def load_state_dict(self, state: dict | torch.Tensor) -> None:
+        if isinstance(state, torch.Tensor):  # a checkpoint from before per-device generators: the CPU one's
+            state = {"cpu": state}
+        self._generators.clear()
+        self._pending = {key: value.clone() for key, value in state.items()}
+
+
+def rank_and_world(group) -> tuple[int, int]:
+    """This rank and the world size of ``group``; (0, 1) outside torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16-bit buckets (and fp32), fp64 for fp64 buckets."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def segment_lengths(bucket: BucketInfo, n: int) -> tuple[int, ...]:
+    """The bucket's parameter sizes, or one segment when the layout does not describe the tensor."""
+    return tuple(bucket.numels) if bucket.numel == n and bucket.numels else (n,)
+
+
+def per_segment_(x: torch.Tensor, scales: torch.Tensor, lengths: tuple[int, ...], op) -> torch.Tensor:
+    """``op(segment, its scale)`` in place for each segment along the last dimension of ``x`` (``scales``:
+    one per segment along its last dimension). A loop over parameters, not entries: it needs no per-entry
+    index tensor (as large as the bucket), and ``repeat_interleave`` is far slower on CPU."""
+    for view, scale in zip(torch.split(x, lengths, dim=-1), scales.unbind(-1)):
+        if view.numel():
+            op(view, scale.unsqueeze(-1))
+    return x
+
+
+def segment_scales(values: torch.Tensor, lengths: tuple[int, ...], clip: float = 0.0,
+                   magnitudes: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """max |value| per segment, capped at ``clip * std`` (std about the mean, TernGrad's) where that cap is
+    positive: a constant segment (one entry, say) has std 0 and keeps its max, so it is neither zeroed nor,
+    with ``clip = inf``, turned into NaN. ``magnitudes`` may hold ``|values|`` already; ``out`` the result."""
+    magnitudes = values.abs() if magnitudes is None else magnitudes
+    out = torch.zeros(len(lengths), dtype=values.dtype, device=values.device) if out is None else out
+    start = 0
+    for j, n in enumerate(lengths):  # a loop over parameters, not entries
+        if n:
+            torch.amax(magnitudes[start:start + n], dim=0, out=out[j])
+            if clip > 0:
+                cap = clip * torch.std(values[start:start + n], correction=0)
+                out[j] = torch.where(cap > 0, torch.minimum(out[j], cap), out[j])
+            start += n
+    return out
+
+
+def wire_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` as fp32, rounded up where fp32 rounding would make it smaller (fp64 buckets), so that
+    ``|value| / wire_scale <= 1`` still holds for every entry the scale bounds. NaN stays NaN."""
+    wire = scale.to(torch.float32)
+    if scale.dtype == torch.float64:
+        wire = torch.where(wire.double() < scale, torch.nextafter(wire, torch.full_like(wire, torch.inf)), wire)
+    return wire
