@@ -1,4 +1,4 @@
-"""The contracts of DESIGN.md, run against every registered method (``gcomp.available()``).
+"""The contracts of docs/design.md, run against every registered method (``gcomp.available()``).
 
 A method registered later (a new compressor file, an entry point) is picked up here without editing this
 file. Multi-process checks run on 1-4 gloo ranks through ``tests.distributed.run_ranks_once``; each rank job

@@ -1,4 +1,4 @@
-"""gTop-k's schedule (Shi et al., ICDCS 2019; specs/ALGORITHMS.md §3.7, §3.9): a binomial tree that merges
+"""gTop-k's schedule (Shi et al., ICDCS 2019; docs/algorithms.md §7.3): a binomial tree that merges
 pairs of top-k sets, keeping the top k of each merge, then a binomial broadcast of rank 0's set. 2 ceil(log2 P)
 rounds; every rank sends at most one k-entry message in the merge and at most ceil(log2 P) in the broadcast."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SparDL's schedules (specs/ALGORITHMS.md §3): Spar-Reduce-Scatter, Spar-All-Gather and the Bruck all-gather.
+"""SparDL's schedules (docs/algorithms.md §7.2): Spar-Reduce-Scatter, Spar-All-Gather and the Bruck all-gather.
 
 Everything here is a round program (``gcomp.collectives.p2p``): one message per peer per round, of a size
 both sides know, so the same code runs on a process group and, for tests, on simulated ranks.

@@ -33,8 +33,8 @@ class DGCCompressor(SparseCompressor):
 
     Per bucket and step: clip each parameter's local gradient to ``clip_norm / sqrt(world)`` (if set); momentum
     correction ``u = m u + g; v = v + u`` (Nesterov: ``u = m (u + g); v = v + u + g``); select on |v|;
-    momentum-factor masking ``u[sent] = 0`` and ``v[sent] = 0``. Above ``8 / density`` entries the selection
-    thresholds |v| at a value estimated from a strided sample (aiming at 2k nonzero candidates), keeps at most 4k
+    momentum-factor masking ``u[sent] = 0`` and ``v[sent] = 0``. Where the bucket holds more than twice the
+    sample (``max(n * sample_ratio, 8 n / k)`` entries, so about 16 / density at least) the selection thresholds |v| at a value estimated from a strided sample (aiming at 2k nonzero candidates), keeps at most 4k
     candidates and takes the top k among them exactly, which is the exact top k whenever between k and 4k
     pass; if fewer pass (rare, or a mostly-zero bucket), the empty slots carry a zero value at position 0.
     """

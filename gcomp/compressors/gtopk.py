@@ -19,8 +19,9 @@ class GlobalTopKCompressor(ScheduledCompressor):
     the sets pairwise, summing shared positions and keeping the top k each time, and rank 0's result is
     broadcast down the same tree (``gcomp.collectives.gtopk``).
 
-    On the wire, point-to-point only: messages of k (int32 position, value in the bucket's dtype) pairs;
-    2 ceil(log2 P) rounds; a rank sends one message up the tree (rank 0 none) and one per child down it.
+    On the wire, point-to-point only: messages of k (int32 position, int64 past 2**31 entries; value in the
+    bucket's dtype) pairs; 2 ceil(log2 P) rounds; a rank sends one message up the tree (rank 0 none) and one
+    per child down it.
 
     Error feedback: a rank's entries count as sent where its local choice is in the global set; everything
     else stays in its residual. As in the paper, a value a merge dropped is lost where its position still

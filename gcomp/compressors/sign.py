@@ -9,7 +9,7 @@ Scaling (why the update is a mean gradient): the hook divides each bucket by the
 compressing, so rank r's scale ``a_r = mean|g_r| / N`` and the decoded payload ``a_r * sign(g_r)`` has the size of
 rank r's share of the mean gradient. Two aggregations, the same on every rank:
 
-- ``majority`` (default; Bernstein et al. 2018, signSGD with majority vote):
+- ``majority`` (the default of ``signsgd`` and ``signum``; Bernstein et al. 2018, signSGD with majority vote):
   ``(sum_r a_r) * sign(sum_r sign(g_r))``, ties (an even split) giving 0. The vote is not a sum of per-rank
   decodes (``decodes_alone`` is false), so the contract suite leaves its value to this module's tests;
 - ``mean``: ``sum_r a_r * sign(g_r)``, the sum of the decoded payloads (the mean over ranks of what they sent).

@@ -17,7 +17,7 @@ from gcomp.registry import register
 
 @dataclass
 class _Budget:
-    """Spar-All-Gather's adaptive per-team budget h for one bucket layout (specs §3.6). The union size of a
+    """Spar-All-Gather's adaptive per-team budget h for one bucket layout (docs/algorithms.md §7.2). The union size of a
     step is read on the host at the next step, so the step itself never waits for it; every member of a
     Spar-All-Gather group merges the same union, so they all move h alike."""
 
@@ -45,14 +45,14 @@ class SparDLCompressor(ScheduledCompressor):
     blocks of B entries, and each block is reduced sparsely (``gcomp.collectives.spardl``).
 
     On the wire, point-to-point only, one message per peer per round: messages of k = max(1, int(density * B))
-    (int32 position, value in the bucket's dtype) pairs per block; 2 ceil(log2 Q) rounds (plus ceil(log2
+    (int32 position, int64 past 2**31 entries; value in the bucket's dtype) pairs per block; 2 ceil(log2 Q) rounds (plus ceil(log2
     teams) for Spar-All-Gather), and 2 (Q - 1) k pairs sent per worker and step with one team, about
     2 (P - 1) / P * density * n: independent of P. With several teams each final block also carries its
     length (an int32), the teams' messages carry h pairs, and block messages are padded to k pairs.
 
     Global residual collection: off a block's final support every rank keeps its own compensated entry; on
-    it, what it did not pass on (a partial sum it cut, or 0). So the residuals of all ranks plus P times
-    the mean sent add up to the sum of the compensated gradients, exactly (for any number of teams).
+    it, what it did not pass on (a partial sum it cut, or 0). So the residuals of all ranks plus the result
+    add up to the sum of the compensated buckets (the hook has divided each by P), exactly for any number of teams.
     """
 
     depends_on_layout = True  # blocks are ranges of the flat bucket

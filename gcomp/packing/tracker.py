@@ -9,7 +9,7 @@ so ranks never disagree on which collective comes next:
   weight masks (never from a rank's own gradient zeros, which differ across ranks) and its digest is sent;
   the next step freezes it if every rank's digest matched, or warns and tracks on if not.
 - ``packed``: only the support goes, densely packed, with one extra entry: how many ranks saw their masks
-  change. Any change sends every rank back to ``tracking`` at the next step (a warning, ``unfreezes``).
+  change (SUM; in ``pactrain``'s ternary path a flag slot of the MAX-reduced scales: whether any did). Any change sends every rank back to ``tracking`` at the next step (a warning, ``unfreezes``).
 - ``dense``: the frozen support keeps more than ``dense_above`` of the bucket (say, a bucket of biases and
   norms): packing would save little, so it stays a plain all-reduce.
 

@@ -1,4 +1,4 @@
-"""Structured pruning by ADMM during training (PruneX's H-SADMM, ``specs/ALGORITHMS.md`` §4.5).
+"""Structured pruning by ADMM during training (PruneX's H-SADMM; docs/algorithms.md §10.3).
 
     admm = StructuredADMM(model, sparsity=0.6, rho=0.01, interval=50)   # on every rank, before or after DDP
     for x, y in data:

@@ -1,6 +1,6 @@
 """GraSP scores (Wang, Zhang, Grosse, ICLR 2020) of a pre-trained model: ``score = -theta * (H g)``.
 
-As the reference code does (ALGORITHMS.md §5): a class-balanced sample split into two halves, logits divided
+As the reference code does (docs/algorithms.md §10.2): a class-balanced sample split into two halves, logits divided
 by a temperature in both passes, ``g`` the sum of the two half-batch gradients, ``H g`` by double backprop
 (Pearlmutter). Unlike the reference, nothing is re-initialised: the weights are pre-trained (PacTrain).
 Removing the weights with the *largest* scores reduces the gradient flow ``g^T g`` the least.

@@ -1,5 +1,5 @@
-"""SparDL's and gTop-k's round schedules (gcomp.collectives.spardl, gcomp.collectives.gtopk; specs/ALGORITHMS.md
-§3.4): the Spar-Reduce-Scatter round plan (round count, block counts, the spec's examples), a symbolic
+"""SparDL's and gTop-k's round schedules (gcomp.collectives.spardl, gcomp.collectives.gtopk; docs/algorithms.md
+§7.2-7.3): the Spar-Reduce-Scatter round plan (round count, block counts, worked examples), a symbolic
 simulation showing every block is reduced exactly once, exact numerical sums through ``run_locally``, the
 Bruck all-gather, multi-team agreement, and gTop-k's ``merge_top`` and tree program."""
 import math
@@ -38,10 +38,10 @@ def test_reduce_scatter_rounds_count_and_total(size):
     (2, [1], [1]),
     (3, [1, 1], [2, 1]),
 ])
-def test_reduce_scatter_rounds_spec_examples(size, sizes, gaps):
+def test_reduce_scatter_rounds_worked_examples(size, sizes, gaps):
     schedule = reduce_scatter_rounds(size)
-    assert [c for _, c in schedule] == sizes, f"Q={size}: sizes {[c for _, c in schedule]}, spec says {sizes}"
-    assert [g for g, _ in schedule] == gaps, f"Q={size}: gaps {[g for g, _ in schedule]}, spec says {gaps}"
+    assert [c for _, c in schedule] == sizes, f"Q={size}: sizes {[c for _, c in schedule]}, expected {sizes}"
+    assert [g for g, _ in schedule] == gaps, f"Q={size}: gaps {[g for g, _ in schedule]}, expected {gaps}"
 
 
 def test_reduce_scatter_rounds_rejects_empty_team():

@@ -1,5 +1,5 @@
 """``powersgd``: which parameters are compressed and what goes on the wire, full rank equal to the exact mean
-(specs §13), error feedback (conservation, telescoping sum, full rank leaves no error), warm start converging to
+(docs/algorithms.md §6), error feedback (conservation, telescoping sum, full rank leaves no error), warm start converging to
 the best rank-r approximation, recovery after a non-finite step, side by side with PyTorch's ``powerSGD_hook``
 (bytes per step, loss curve), many buckets, and a 4-rank convergence smoke test."""
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_orthogonalise_stays_orthonormal_on_rank_deficient_input():
     assert torch.equal(orthogonalise(torch.zeros(5, 1)), torch.zeros(5, 1))
 
 
-# --- exact mean at full rank (specs §13) ------------------------------------------------------------------------
+# --- exact mean at full rank (docs/algorithms.md §6) ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])

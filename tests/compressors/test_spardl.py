@@ -223,7 +223,7 @@ def test_on_gloo_ranks_bytes_match_the_cost_model_and_training_converges(world):
             assert r["stats"]["messages"] == steps * messages, (teams, rank, r["stats"])
             assert r["stats"]["messages"] == steps * (2 * math.ceil(math.log2(world // teams))
                                                       + math.ceil(math.log2(teams)))
-        if teams == 1:  # the cost model of specs §3.7: 2 (P - 1) / P * k (value + index) bytes, k = density * n
+        if teams == 1:  # the volume of docs/algorithms.md §7.2: 2 (P - 1) / P * k (value + index) bytes, k = density * n
             model = 2 * (world - 1) / world * density * numel * (4 + 4)
             per_step = ranks[0]["stats"]["bytes_sent"] / steps
             assert abs(per_step - model) <= 0.05 * model, (per_step, model)

@@ -1,5 +1,5 @@
 """``topk``: the codec's properties (hypothesis), error-feedback conservation, ratio=1 equals the dense mean on
-several ranks, non-finite values always sent, residuals surviving a change of bucket layout."""
+several ranks, non-finite values always sent. Its residuals across bucket layouts: tests/test_memory.py."""
 from __future__ import annotations
 
 import pytest
@@ -244,86 +244,3 @@ def test_topk_ratio_one_equals_the_dense_mean(world, bucket_cap_mb):
     for compared, _, _ in results[1:]:  # every rank ends with the same gradients
         for (got, _), (got0, _) in zip(compared, first):
             assert all(torch.equal(a, b) for a, b in zip(got, got0))
-
-
-# --- residuals across a change of bucket layout -------------------------------------------------------------
-
-
-def _warm_memory(ratio: float = 0.2):
-    """A ResidualMemory with residuals in layout A: parameters a (30) and b (12) in one bucket."""
-    comp, memory = TopKCompressor(ratio), ResidualMemory()
-    layout_a = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [30, 12])
-    g = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        grad = torch.randn(42, generator=g)
-        v = memory.compensate(grad, layout_a)
-        memory.update(v, layout_a, comp, comp.compress(v, layout_a))
-    return memory, layout_a
-
-
-def test_residual_state_dict_is_per_parameter_name():
-    memory, layout_a = _warm_memory()
-    state = memory.state_dict()
-    assert set(state) == {"residuals"}
-    residuals = state["residuals"]
-    assert set(residuals) == {"a", "b"}
-    assert residuals["a"].numel() == 30 and residuals["b"].numel() == 12
-    whole = memory.compensate(torch.zeros(42), layout_a)
-    assert torch.equal(whole, torch.cat([residuals["a"], residuals["b"]]))
-    assert residuals["a"].count_nonzero() > 0 and residuals["b"].count_nonzero() > 0
-
-
-def _layout_b(kind: str) -> list[BucketInfo]:
-    if kind == "reversed":
-        return [BucketInfo.from_layout(0, torch.float32, ["b", "a"], [12, 30])]
-    if kind == "split":
-        return [BucketInfo.from_layout(0, torch.float32, ["b"], [12]),
-                BucketInfo.from_layout(1, torch.float32, ["a"], [30])]
-    assert kind == "with-new-parameter"
-    return [BucketInfo.from_layout(0, torch.float32, ["c", "a"], [5, 30]),
-            BucketInfo.from_layout(1, torch.float32, ["b"], [12])]
-
-
-@pytest.mark.parametrize("via_checkpoint", [False, True], ids=["live", "checkpoint"])
-@pytest.mark.parametrize("kind", ["reversed", "split", "with-new-parameter"])
-def test_residuals_move_to_a_new_layout_parameter_by_parameter(kind, via_checkpoint):
-    memory, _ = _warm_memory()
-    before = {name: t.clone() for name, t in memory.state_dict()["residuals"].items()}
-    if via_checkpoint:
-        state = memory.state_dict()
-        memory = ResidualMemory()
-        memory.load_state_dict(state)
-
-    comp = TopKCompressor(0.2)
-    for info in _layout_b(kind):
-        compensated = memory.compensate(torch.zeros(info.numel), info)
-        for name, offset, numel in info.segments():
-            expected = before.get(name, torch.zeros(numel))
-            assert torch.equal(compensated[offset:offset + numel], expected), name
-        memory.update(compensated, info, comp, comp.compress(compensated, info))
-
-    # the residuals are now keyed by the new layout's parameters, the old ones included
-    after = memory.state_dict()["residuals"]
-    assert set(after) == {info_name for info in _layout_b(kind) for info_name in info.names}
-    assert set(before) <= set(after)
-
-
-def test_residuals_survive_a_real_ddp_rebuild_like_sequence():
-    """Layout A, then B, then A again: each move keeps every parameter's residual exactly."""
-    memory, layout_a = _warm_memory(ratio=0.1)
-    comp = TopKCompressor(0.1)
-    g = torch.Generator().manual_seed(11)
-    layouts = [_layout_b("split"), [layout_a], _layout_b("reversed")]
-    for buckets in layouts:
-        before = {name: t.clone() for name, t in memory.state_dict()["residuals"].items()}
-        for info in buckets:
-            grad = torch.randn(info.numel, generator=g)
-            v = memory.compensate(grad, info)
-            for name, offset, numel in info.segments():
-                assert torch.equal(v[offset:offset + numel], grad[offset:offset + numel] + before[name])
-            payload = comp.compress(v, info)
-            memory.update(v, info, comp, payload)
-            sent = comp.decompress(payload.tensors, payload.ctx)
-            after = memory.state_dict()["residuals"]
-            for name, offset, numel in info.segments():
-                assert torch.equal(sent[offset:offset + numel] + after[name], v[offset:offset + numel])

@@ -14,7 +14,7 @@ from torch.nn.utils import prune as torch_prune
 
 from gcomp.pruning import PruneResult, kept_fraction, mask_of, masks_digest, named_masks, prune
 from tests.distributed import run_ranks
-from tests.pruning import jobs
+from tests.pruning import prune_jobs as jobs
 
 METHODS = ("grasp", "magnitude", "random")
 

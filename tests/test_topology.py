@@ -1,0 +1,41 @@
+"""``gcomp.topology``: nodes of consecutive ranks (``ranks_per_node``), node discovery from torchrun's environment
+and host names, and its errors."""
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from gcomp.topology import Topology
+from tests.distributed import run_ranks
+
+
+def test_ranks_per_node_must_divide_the_workers():
+    with pytest.raises(ValueError, match="'ranks_per_node' must divide the number of workers \\(6\\); got 4"):
+        Topology.regular(6, 4)
+    assert Topology.regular(6, 3).nodes == ((0, 1, 2), (3, 4, 5))
+    assert Topology.regular(6, 3).leaders == (0, 3)
+    assert Topology.regular(6, 3).node_of(4) == 1
+
+
+def discover_job(local: str) -> tuple:
+    import os
+    if local == "torchrun":
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+        os.environ["GROUP_RANK"] = str(dist.get_rank() // 2)
+    elif local == "unequal":
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+        os.environ["GROUP_RANK"] = "0" if dist.get_rank() == 0 else "1"
+    try:
+        return Topology.discover().nodes
+    except ValueError as err:
+        return ("error", str(err))
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        os.environ.pop("GROUP_RANK", None)
+
+
+def test_nodes_are_discovered_from_torchrun_or_host_names():
+    assert run_ranks(4, discover_job, "torchrun") == [((0, 1), (2, 3))] * 4
+    assert run_ranks(4, discover_job, "hosts") == [((0, 1, 2, 3),)] * 4  # one machine: one node
+    for r in run_ranks(3, discover_job, "unequal"):
+        assert r[0] == "error" and "unequal size" in r[1] and "'ranks_per_node'" in r[1], r
