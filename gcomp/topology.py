@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
@@ -56,10 +58,23 @@ class Topology:
             return [r if group is None else dist.get_global_rank(group, r) for r in ranks]
 
         me = dist.get_rank(group)
+        timeout = group_timeout(group)  # a dead peer must fail the subgroups as soon as it fails ``group``
         intra = None
         for node in self.nodes:
-            made = dist.new_group(global_ranks(node))
+            made = dist.new_group(global_ranks(node), timeout=timeout)
             if me in node:
                 intra = made
-        inter = dist.new_group(global_ranks(self.leaders))
+        inter = dist.new_group(global_ranks(self.leaders), timeout=timeout)
         return intra, inter if me in self.leaders else None
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The timeout ``group``'s collectives run under (the default group's for None), or None where its backend
+    does not say (then subgroups take torch's default)."""
+    group = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None

@@ -39,3 +39,23 @@ def test_nodes_are_discovered_from_torchrun_or_host_names():
     assert run_ranks(4, discover_job, "hosts") == [((0, 1, 2, 3),)] * 4  # one machine: one node
     for r in run_ranks(3, discover_job, "unequal"):
         assert r[0] == "error" and "unequal size" in r[1] and "'ranks_per_node'" in r[1], r
+
+
+def subgroup_timeout_job() -> list:
+    from datetime import timedelta
+
+    from gcomp.topology import group_timeout
+    group = dist.new_group([0, 1, 2, 3], timeout=timedelta(seconds=7))
+    intra, inter = Topology.regular(4, 2).groups(group)
+    made = [intra] + ([inter] if inter is not None else [])
+    out = [group_timeout(g).total_seconds() for g in made]
+    for g in made + [group]:
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_node_groups_fail_as_soon_as_the_parent_group_would():
+    """The intra-node and leaders' groups take the parent group's timeout, not torch's 30-minute default: a
+    dead peer must end a hierarchical step within the process group's timeout."""
+    for rank, timeouts in enumerate(run_ranks(4, subgroup_timeout_job)):
+        assert timeouts == ([7.0, 7.0] if rank % 2 == 0 else [7.0]), (rank, timeouts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gcomp.collectives.futures import when_all_done
 from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
 
 
@@ -24,4 +25,4 @@ class AllgatherCommunicator(Communicator):
             out = t.new_empty(world * t.numel())  # gloo wants the flat form
             futures.append(dist.all_gather_single(out, t.contiguous(), group=group, async_op=True).get_future())
             outputs.append(out.view(world, *t.shape))
-        return torch.futures.collect_all(futures).then(lambda _: outputs)
+        return when_all_done(futures, outputs)

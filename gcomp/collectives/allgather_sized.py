@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gcomp.collectives.futures import when_all_done
 from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
 
 
@@ -41,4 +42,4 @@ class SizedAllgatherCommunicator(Communicator):
         if stats is not None:
             stats["padding_bytes"] += padding
             stats["bytes_sent"] += padding
-        return torch.futures.collect_all(futures).then(lambda _: outputs)
+        return when_all_done(futures, outputs)

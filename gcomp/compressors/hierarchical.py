@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
+from gcomp.collectives.futures import when_done
 from gcomp.core import HIERARCHICAL, Communicator, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -89,7 +90,7 @@ class HierarchicalCommunicator(Communicator):
             stats["inter_bytes"] += stats["bytes_sent"] - before
         source = dist.get_global_rank(compressor.intra, 0)
         work = dist.broadcast(buffer, src=source, group=compressor.intra, async_op=True)
-        return work.get_future().then(lambda _: [buffer])
+        return when_done(work.get_future(), [buffer])
 
 
 @register("hierarchical", paper="leader-follower reduction as in PruneX (Olama et al., arXiv 2512.14628)")
