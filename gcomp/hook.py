@@ -125,6 +125,9 @@ def install(ddp_model: DistributedDataParallel, name_or_method: Union[str, Metho
     ``name_or_method`` is a registered name (``params`` go to ``gcomp.create``) or a ``Method`` built by hand.
     Collectives run on ``process_group``, by default the DDP model's own.
     """
+    inner = getattr(ddp_model, "_orig_mod", None)  # torch.compile's OptimizedModule wraps the DDP model
+    if isinstance(inner, DistributedDataParallel):
+        ddp_model = inner  # the hook lives on DDP's reducer, which the compiled module runs as it is
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"gcomp.install needs a torch.nn.parallel.DistributedDataParallel model; got "
                         f"{type(ddp_model).__name__}. Wrap it first: DistributedDataParallel(model)")
@@ -140,7 +143,11 @@ def install(ddp_model: DistributedDataParallel, name_or_method: Union[str, Metho
         method = name_or_method
     else:
         raise TypeError(f"name_or_method must be a method name or a gcomp.Method; got {type(name_or_method).__name__}")
-    state = HookState(method, ddp_model, process_group if process_group is not None else ddp_model.process_group)
+    if process_group is None:
+        process_group = ddp_model.process_group
+    else:
+        _check_same_ranks(process_group, ddp_model.process_group)
+    state = HookState(method, ddp_model, process_group)
     try:
         ddp_model.register_comm_hook(state, gcomp_hook)
     except RuntimeError as err:
@@ -148,3 +155,17 @@ def install(ddp_model: DistributedDataParallel, name_or_method: Union[str, Metho
                            f"mixed_precision option registers its own): {err}") from err
     ddp_model._gcomp_state = state
     return state
+
+
+def _check_same_ranks(hook_group, ddp_group) -> None:
+    """The hook must reduce over exactly the ranks DDP reduces over: over fewer or others, replicas diverge."""
+    ddp_ranks = dist.get_process_group_ranks(ddp_group)
+    if hook_group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(hook_group) < 0:
+        raise ValueError(f"gcomp.install: this rank (global rank {dist.get_rank()}) is not in process_group, "
+                         f"while the DDP model's group has {len(ddp_ranks)} ranks; pass process_group=None to "
+                         "reduce over the DDP model's own group")
+    hook_ranks = dist.get_process_group_ranks(hook_group)
+    if sorted(hook_ranks) != sorted(ddp_ranks):
+        raise ValueError(f"gcomp.install: process_group has {len(hook_ranks)} ranks {hook_ranks} but the DDP model's "
+                         f"group has {len(ddp_ranks)} {ddp_ranks}; the hook must reduce over the same ranks as DDP "
+                         "(pass process_group=None, or build DDP with process_group=...)")

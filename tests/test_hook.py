@@ -239,6 +239,37 @@ def test_install_errors_on_a_ddp_model():
     assert result["steps"] == 2  # the hook installed after the failures works
 
 
+def _install_on_another_group() -> str:
+    other = dist.new_group([0, 1])  # every rank makes it; rank 2 is not in it
+    try:
+        gcomp.install(ddp(mlp(0)), "topk", process_group=other)
+    except ValueError as err:
+        return str(err)
+    finally:
+        if dist.get_rank() < 2:
+            dist.destroy_process_group(other)
+    return "installed"
+
+
+def test_install_refuses_a_group_other_than_ddps():
+    """The hook reducing over other ranks than DDP's would let replicas diverge in silence (before: divergence,
+    or an AttributeError at the first backward on a rank outside the group)."""
+    messages = run_ranks(3, _install_on_another_group)
+    for message in messages[:2]:
+        assert "process_group has 2 ranks [0, 1] but the DDP model's group has 3 [0, 1, 2]" in message, message
+    assert "(global rank 2) is not in process_group" in messages[2] and "has 3 ranks" in messages[2], messages[2]
+
+
+def _install_on_a_compiled_model() -> bool:
+    model = ddp(mlp(0))
+    state = gcomp.install(torch.compile(model), "topk", ratio=0.5)  # compiles nothing until the first call
+    return model._gcomp_state is state
+
+
+def test_install_unwraps_a_compiled_ddp_model():
+    assert run_ranks(1, _install_on_a_compiled_model) == [True]
+
+
 WARMUP_CASES = {
     # name, params, ddp flags, expected warm-up steps
     "topk": ("topk", {"ratio": 0.05}, {}, 1),
