@@ -66,14 +66,59 @@ def check_state_keys(owner: object, state: dict, allowed: Sequence[str]) -> None
     """Raise a clear error when a checkpoint holds keys ``owner`` does not know."""
     unknown = set(state) - set(allowed)
     if unknown:
-        raise ValueError(f"{type(owner).__name__}: unexpected keys {sorted(unknown)}")
+        raise ValueError(f"{owner if isinstance(owner, str) else type(owner).__name__}: unexpected keys "
+                         f"{sorted(unknown)}")
+
+
+def check_state(owner: object, state: Any, required: dict[str, Any], optional: dict[str, Any] | None = None
+                ) -> None:
+    """A checkpoint's dict for ``owner``: every key of ``required`` present, no key outside ``required`` and
+    ``optional``, each value of the type its key maps to (a type or a tuple of types). Raises ValueError naming
+    the key: a bad state fails at ``load_state_dict``, never at the first backward."""
+    name = owner if isinstance(owner, str) else type(owner).__name__
+    if not isinstance(state, dict):
+        raise ValueError(f"{name}: the state must be a dict, got {type(state).__name__}")
+    known = {**required, **(optional or {})}
+    check_state_keys(name, state, known)
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise ValueError(f"{name}: the state has no {', '.join(repr(k) for k in missing)}")
+    for key, value in state.items():
+        if not isinstance(value, known[key]) or isinstance(value, bool) and known[key] in (int, (int, float)):
+            expected = known[key].__name__ if isinstance(known[key], type) else " or ".join(
+                t.__name__ for t in known[key])
+            article = "an" if expected[0] in "aeiou" else "a"
+            raise ValueError(f"{name}: {key!r} must be {article} {expected}, got {type(value).__name__}")
+
+
+def tensor_dict(owner: str, key: str, value: Any) -> dict[str, torch.Tensor]:
+    """``value``, checked to be a ``{name: tensor}`` dict (per-parameter state)."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                                              for k, t in value.items()):
+        raise ValueError(f"{owner}: {key!r} must map parameter names to tensors")
+    return value
+
+
+def sum_by_name(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-parameter tensors of several ranks added up, name by name (error feedback kept across a resize)."""
+    total: dict[str, torch.Tensor] = {}
+    for state in states:
+        for name, t in state.items():
+            total[name] = t.clone() if name not in total else total[name] + t
+    return total
 
 
 class _Checkpointed:
-    """Default checkpointing for a part that keeps no state; stateful parts override both methods.
+    """Default checkpointing for a part that keeps no state; stateful parts override ``state_dict`` and
+    ``load_state_dict``, and say how their state travels between ranks (below).
 
     ``state_dict`` holds tensors and plain values only (``torch.load(weights_only=True)`` reads it back), keyed
-    by parameter name or layout, never by DDP's bucket index alone."""
+    by parameter name or layout, never by DDP's bucket index alone. ``load_state_dict`` checks what it is given
+    (``check_state``) and raises ValueError naming the key."""
+
+    # True when the state is the same on every rank (a shared random stream, a tracker every rank runs alike):
+    # a checkpoint of any one rank then loads on every rank. A part that keeps no state counts as replicated.
+    replicated_state: ClassVar[bool] = False
 
     def state_dict(self) -> dict:
         return {}
@@ -81,6 +126,31 @@ class _Checkpointed:
     def load_state_dict(self, state: dict) -> None:
         if state:
             raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
+
+    @property
+    def keeps_state(self) -> bool:
+        return type(self).state_dict is not _Checkpointed.state_dict
+
+    @property
+    def replicated(self) -> bool:
+        """Whether any rank's state is every rank's (``replicated_state``, or no state at all)."""
+        return self.replicated_state or not self.keeps_state
+
+    def parameter_state(self, state: dict) -> dict[str, dict[str, torch.Tensor]]:
+        """The tensors of a checkpointed ``state`` that each belong to one parameter and have its number of
+        entries, as ``{slot: {parameter name: tensor}}`` (residuals, momenta): the hook checks, before loading,
+        that their parameters exist, that their sizes match and that they are finite."""
+        return {}
+
+    def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
+        """This part's state for ``rank`` of a resized world, from the states of the old ranks ``assigned`` to it
+        (old rank j goes to new rank j mod new world size; none when the world grew past j) and of ``every`` old
+        rank. Error feedback must keep its total: residuals are summed. Raise ValueError where a resize has no
+        meaning for the method. Stateless parts have nothing to merge."""
+        if self.keeps_state:
+            raise ValueError(f"{type(self).__name__}: its state cannot move to another number of ranks; resume "
+                             "with the world size it was saved with, or start this method's state afresh")
+        return {}
 
 
 class Compressor(_Checkpointed, ABC):

@@ -9,12 +9,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from gcomp import checkpoint
 from gcomp.bucket import BucketInfo
 from gcomp.collectives.allreduce import all_reduce_all
 from gcomp.core import Method, Payload
 from gcomp.registry import create
 
-STATE_FORMAT = "gcomp.hook/1"
+STATE_FORMAT = checkpoint.STATE_FORMAT
 _STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "encode_s", "decode_s",
               "warmup_steps", "dense_buckets", "layouts")
 
@@ -41,8 +42,9 @@ class HookState:
     def __init__(self, method: Method, ddp: DistributedDataParallel, group: dist.ProcessGroup | None):
         self.method = method
         self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._names = {id(p): n for n, p in ddp.module.named_parameters()}
+        self._numels = {n: p.numel() for n, p in ddp.module.named_parameters()}
         self._layouts: dict[tuple, BucketInfo] = {}
         self.iteration = 0  # steps taken, a resumed checkpoint's included
         self.warmup = self._warmup_steps(ddp) if method.stateful else 0
@@ -93,24 +95,49 @@ class HookState:
         return self.method.reduce(buffer, self.bucket_info(bucket), self.group, stats)
 
     def state_dict(self) -> dict:
-        """Tensors and plain values only, so ``torch.load(path, weights_only=True)`` reads it back."""
-        return {"format": STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
-                "iteration": self.iteration, "stats": dict(self.stats),
-                "memory": self.method.memory.state_dict(), "compressor": self.method.compressor.state_dict()}
+        """This rank's state, filed under its rank (``gcomp.checkpoint``): tensors, bytes and plain values only,
+        so ``torch.load(path, weights_only=True)`` reads it back. ``gather_state_dict`` holds every rank's."""
+        part = {"stats": dict(self.stats), "memory": self.method.memory.state_dict(),
+                "compressor": self.method.compressor.state_dict()}
+        return {"format": checkpoint.STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
+                "world_size": self.world_size, "iteration": self.iteration,
+                "ranks": {checkpoint.rank_key(self.rank): checkpoint.pack(part)}}
+
+    def gather_state_dict(self, dst: int | None = None) -> dict | None:
+        """Every rank's state in one object (a collective: call it on every rank). With ``dst`` set, only that
+        rank (of the hook's group) receives it and the others get None; by default every rank does. Save it on
+        one rank; ``load_state_dict`` of it on every rank hands each rank its own part."""
+        state = self.state_dict()
+        blob = state["ranks"][checkpoint.rank_key(self.rank)]
+        if dst is None:
+            parts = [None] * self.world_size
+            dist.all_gather_object(parts, blob, group=self.group)
+        else:
+            parts = [None] * self.world_size if self.rank == dst else None
+            dist.gather_object(blob, parts, dst=dist.get_global_rank(self.group, dst) if self.group else dst,
+                               group=self.group)
+            if self.rank != dst:
+                return None
+        state["ranks"] = {checkpoint.rank_key(r): b for r, b in enumerate(parts)}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()``; the method and its parameters must be the ones installed."""
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a gcomp hook state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
-        if state["method"] != self.method.name or state["params"] != self.method.params:
-            raise ValueError(f"checkpoint is for {state['method']}({state['params']}), "
-                             f"the installed method is {self.method.name}({self.method.params})")
-        self.method.memory.load_state_dict(state["memory"])
-        self.method.compressor.load_state_dict(state["compressor"])
+        """Resume from ``state_dict()`` or ``gather_state_dict()``: this rank's own part, checked before anything
+        is loaded (a bad state is a ValueError naming the key). Another rank's part is refused unless the
+        method's state is the same on every rank; a checkpoint of another world size needs every rank's part,
+        and a method that can move its state (residuals are summed, so their total is kept)."""
+        if isinstance(state, dict) and state.get("format") == checkpoint.LEGACY_FORMAT:
+            state = checkpoint.from_legacy(state, self.rank, self.world_size)
+        checkpoint.check_header(state, self.method)
+        part = checkpoint.own_part(state, self.method, self.rank, self.world_size)
+        checkpoint.check_stats(part["stats"])
+        checkpoint.check_parameter_tensors(self.method, part, self._numels)
+        self.method.memory.load_state_dict(part["memory"])
+        self.method.compressor.load_state_dict(part["compressor"])
         # Counting on from the checkpoint's step means a resumed run does not warm up again: residuals are
         # stored per parameter and map onto the new DDP's buckets, whatever their layout.
         self.iteration = state["iteration"]
-        self.stats.update({k: state["stats"].get(k, 0) for k in self._stat_keys})  # in place: parts hold it
+        self.stats.update({k: part["stats"].get(k, 0) for k in self._stat_keys})  # in place: parts hold it
 
 
 def gcomp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -5,7 +5,7 @@ import torch
 
 from gcomp.bucket import BucketInfo
 from gcomp.bucket_state import BucketState
-from gcomp.core import Compressor, Memory, Payload, check_state_keys
+from gcomp.core import Compressor, Memory, Payload, check_state, sum_by_name, tensor_dict
 
 
 class NoMemory(Memory):
@@ -56,5 +56,12 @@ class ResidualMemory(Memory):
         return self._state.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        check_state_keys(self, state, ("residuals",))
+        check_state(self, state, {"residuals": dict})
+        tensor_dict("ResidualMemory", "residuals", state["residuals"])
         self._state.load_state_dict(state)
+
+    def parameter_state(self, state: dict) -> dict:
+        return {"residuals": state["residuals"]}
+
+    def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
+        return {"residuals": sum_by_name([s["residuals"] for s in assigned])}

@@ -193,10 +193,20 @@ class Profile:
     def from_row(cls, row: dict) -> Profile:
         """A profile from one ``results.json`` row; the optional keys (``steps_to_target``, ``step_s``,
         ``workers``, ``bandwidth_bps``) may be missing or ``None``."""
+        if not isinstance(row, dict):
+            raise ValueError(f"a results row must be a JSON object with a method's figures; got {row!r:.60}")
         missing = [key for key in cls.REQUIRED_KEYS if row.get(key) is None]
         if missing:
             raise ValueError(f"results row for method {row.get('method')!r} lacks {', '.join(missing)}")
         kind = str(row.get("name") or row["method"])
+        try:
+            return cls._from_checked_row(row, kind)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"results row for method {row.get('method')!r} holds a value that is not a number "
+                             f"({err})") from err
+
+    @classmethod
+    def _from_checked_row(cls, row: dict, kind: str) -> Profile:
         return cls(method=str(row["method"]), collective=str(row["collective"]), kind=kind,
                    bytes_sent=_selection_bytes(row, kind), bytes_dense=float(row["bytes_dense_per_step"]),
                    compute_s=float(row["compute_s_per_step"]), encode_s=float(row["encode_s_per_step"]),

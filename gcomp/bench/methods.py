@@ -65,7 +65,11 @@ def parse_method(text: str) -> BenchMethod:
         if not eq or key not in declared:
             raise ValueError(f"{text!r}: expected key=value with a parameter of {name} "
                              f"({', '.join(declared) or 'none'}); got {item!r}")
-        params[key] = _typed(value, declared[key].type)
+        try:
+            params[key] = _typed(value, declared[key].type)
+        except ValueError as err:
+            raise ValueError(f"{text!r}: parameter {key!r} of {name} must be a {declared[key].type.__name__}: "
+                             f"{err}") from None
     gcomp.create(name, **params)  # validates the values now, not in a worker
     return BenchMethod(text, name, params)
 
@@ -75,7 +79,10 @@ def _typed(value: str, kind):
         if value.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"expected true or false, got {value!r}")
         return value.lower() in ("true", "1")
-    return kind(value)
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"got {value!r}") from None
 
 
 class TorchHook:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from gcomp.bench.methods import parse_method
-from gcomp.bench.workloads import accuracy, load_data, loss_fn, make_model
+from gcomp.bench.workloads import MODELS, accuracy, load_data, loss_fn, make_model
 
 DEFAULT_METHODS = ("identity", "fp16", "topk:ratio=0.01", "terngrad", "pactrain", "pactrain:ternary=true",
                    "torch:allreduce", "torch:fp16", "torch:powersgd")
@@ -50,6 +51,33 @@ class BenchConfig:
     threads: int = 1
     timeout_s: int = 300
     verbose: bool = True
+
+    def check(self) -> None:
+        """Every setting checked before anything starts: a ValueError naming the setting and what it takes."""
+        for key in ("workers", "steps", "batch", "eval_every", "threads", "timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{key.replace('_', '-')} must be a whole number of at least 1; got {value!r}")
+        if not isinstance(self.pretrain_epochs, int) or self.pretrain_epochs < 0:
+            raise ValueError(f"--pretrain-epochs must be a whole number of at least 0; got {self.pretrain_epochs!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a positive number; got {self.lr!r}")
+        if not 0 <= self.prune_ratio < 1:
+            raise ValueError(f"--prune-ratio must be in [0, 1); got {self.prune_ratio!r}")
+        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
+            raise ValueError(f"--target-accuracy must be in (0, 1]; got {self.target_accuracy!r}")
+        name = self.model.partition(":")[0]
+        if name not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)} (mlp:W1,W2 sets "
+                             "its widths)")
+        if name == "mlp" and ":" in self.model:
+            widths = self.model.partition(":")[2].split(",")
+            if not all(w.isdigit() and int(w) > 0 for w in widths):
+                raise ValueError(f"--model {self.model!r}: an MLP's widths are positive whole numbers, mlp:W1,W2")
+        if not self.methods:
+            raise ValueError("no method to compare: --method takes a name or name:key=value")
+        for text in self.methods:
+            parse_method(text)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -93,8 +121,7 @@ def pretrained_weights(config: BenchConfig, log=print) -> Path | None:
 def run(config: BenchConfig, out: Path, log=print) -> tuple[list[dict], str]:
     """Train every method; returns the rows and how the network was set up (a line for the report)."""
     from gcomp.bench import netem
-    for text in config.methods:
-        parse_method(text)  # every spec checked before any worker starts
+    config.check()  # every setting and method spec checked before any worker starts
     load_data(config.dataset, data_dir=config.data_dir, seed=config.seed)  # a missing dataset fails here
     out.mkdir(parents=True, exist_ok=True)
     rate = netem.parse_rate(config.bandwidth)

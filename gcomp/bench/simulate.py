@@ -68,16 +68,19 @@ def plot(rows: Sequence[dict], path) -> None:
 
 
 def load_runs(path: Path) -> list[dict]:
-    """The ``runs`` of a results file; ``SystemExit`` with the reason when it is missing, unreadable or empty."""
+    """The ``runs`` of a results file; ValueError with the reason when it is missing, unreadable or malformed."""
     if not path.is_file():
-        raise SystemExit(f"simulate: results file {str(path)!r} not found")
+        raise ValueError(f"results file {str(path)!r} not found")
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise SystemExit(f"simulate: cannot read {str(path)!r}: {err}") from err
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {str(path)!r} as JSON ({err}); give a results.json of gcomp bench") from err
     runs = data.get("runs") if isinstance(data, dict) else None
-    if not runs:
-        raise SystemExit(f"simulate: {str(path)!r} has no runs (expected a JSON object with a non-empty 'runs' list)")
+    if not runs or not isinstance(runs, list):
+        raise ValueError(f"{str(path)!r} has no runs (expected a JSON object with a non-empty 'runs' list)")
+    bad = [i for i, run in enumerate(runs) if not isinstance(run, dict)]
+    if bad:
+        raise ValueError(f"{str(path)!r}: runs {bad[:5]} are not JSON objects (one per method and run)")
     return runs
 
 
@@ -110,9 +113,9 @@ def main(argv=None) -> int:
     """CLI: project the profiles of a results file, print the tables, write ``simulate.json`` and
     ``simulate.png`` (the plot is skipped, with a note, when matplotlib is not installed)."""
     args = _parse_args(argv)
-    runs = [run for path in args.results for run in load_runs(path)]
     alpha_s = args.alpha_us * 1e-6
     try:
+        runs = [run for path in args.results for run in load_runs(path)]
         networks = [Network.parse(text, alpha_s) for text in args.bandwidth]
         intra = None if args.intra_bandwidth is None else Network.parse(args.intra_bandwidth, alpha_s)
         comm_kw = {"ranks_per_node": args.ranks_per_node, "intra": intra}
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
         rows = project(profiles, args.workers, networks, args.baseline, **comm_kw)
         errors = model_error([Profile.from_row(row) for row in runs], alpha_s, **comm_kw)
     except ValueError as err:
-        raise SystemExit(f"simulate: {err}") from err
+        raise SystemExit(f"gcomp simulate: {err}") from err
     print(markdown(rows))
     print("\nModel error against the measured runs:\n")
     print(markdown(errors))

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
 from gcomp.collectives.p2p import Program, run_locally, run_program
-from gcomp.core import POINT_TO_POINT, Communicator, Compressor, Payload, check_state_keys
+from gcomp.core import POINT_TO_POINT, Communicator, Compressor, Payload, check_state
 from gcomp.memory import ResidualMemory
 
 
@@ -59,8 +59,14 @@ class ScheduledCompressor(Compressor):
         return {"memory": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        check_state_keys(self, state, ("memory",))
+        check_state(self, state, {"memory": dict})
         self.memory.load_state_dict(state["memory"])
+
+    def parameter_state(self, state: dict) -> dict:
+        return self.memory.parameter_state(state["memory"])
+
+    def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
+        return {"memory": self.memory.merge_states([s["memory"] for s in assigned], [], rank)}
 
 
 class ProgramCommunicator(Communicator):

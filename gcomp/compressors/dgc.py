@@ -16,7 +16,7 @@ from gcomp.bucket_state import BucketState
 from gcomp.collectives import AllgatherCommunicator
 from gcomp.compressors.quantise import stream_seed
 from gcomp.compressors.sparse import SparseCompressor
-from gcomp.core import Method, check_state_keys
+from gcomp.core import Method, check_state, sum_by_name, tensor_dict
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.registry import register
@@ -133,10 +133,24 @@ class DGCCompressor(SparseCompressor):
         return {"generator": self.generator.get_state(), "steps": self.steps, **self.state.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        check_state_keys(self, state, ("generator", "steps", *_BUFFERS))
+        check_state(self, state, {"generator": torch.Tensor, "steps": int, **{b: dict for b in _BUFFERS}})
+        for b in _BUFFERS:
+            tensor_dict("dgc", b, state[b])
+        if state["steps"] < 0:
+            raise ValueError(f"DGCCompressor: 'steps' must be at least 0, got {state['steps']}")
         self.generator.set_state(state["generator"])
         self.steps = state["steps"]
         self.state.load_state_dict(state)
+
+    def parameter_state(self, state: dict) -> dict:
+        return {b: state[b] for b in _BUFFERS}
+
+    def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
+        """Momentum and velocity are linear in the gradients: their sums over ranks, which the next steps
+        depend on, are kept; the new rank's sample offsets start its own stream."""
+        fresh = torch.Generator().manual_seed(stream_seed(self.seed, "dgc", rank))
+        return {"generator": fresh.get_state(), "steps": every[0]["steps"],
+                **{b: sum_by_name([s[b] for s in assigned]) for b in _BUFFERS}}
 
 
 @register("dgc", paper="Lin, Han, Mao, Wang, Dally, ICLR 2018 (Deep Gradient Compression)")

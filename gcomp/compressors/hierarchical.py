@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Annotated
 
 import torch
@@ -9,7 +10,7 @@ import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
 from gcomp.collectives.futures import when_done
-from gcomp.core import HIERARCHICAL, Communicator, Compressor, Method, Payload
+from gcomp.core import HIERARCHICAL, Communicator, Compressor, Method, Payload, check_state
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.registry import create, register
@@ -43,6 +44,10 @@ class HierarchicalCompressor(Compressor):
         world = dist.get_world_size(group)
         topology = (Topology.regular(world, self.ranks_per_node) if self.ranks_per_node
                     else Topology.discover(group))
+        if len(topology.nodes) == 1:
+            warnings.warn(f"hierarchical: all {world} ranks are on one node, so the inner method runs on a "
+                          "one-rank group of leaders and compresses nothing; set ranks_per_node to split them, or "
+                          "install the inner method itself", UserWarning, stacklevel=3)
         self.intra, self.inter = topology.groups(group)
         if self.inter is not None:
             self.inner.compressor.bind(model, self.inter, stats)
@@ -65,8 +70,17 @@ class HierarchicalCompressor(Compressor):
         return {"memory": self.inner.memory.state_dict(), "compressor": self.inner.compressor.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        check_state(self, state, {"memory": dict, "compressor": dict})
         self.inner.memory.load_state_dict(state["memory"])
         self.inner.compressor.load_state_dict(state["compressor"])
+
+    @property
+    def replicated(self) -> bool:
+        return self.inner.memory.replicated and self.inner.compressor.replicated
+
+    def parameter_state(self, state: dict) -> dict:
+        return {**self.inner.memory.parameter_state(state["memory"]),
+                **self.inner.compressor.parameter_state(state["compressor"])}
 
 
 class HierarchicalCommunicator(Communicator):

@@ -8,7 +8,7 @@ from typing import Annotated
 import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.compressors.quantise import RankGenerator, rank_and_world, work_dtype
+from gcomp.compressors.quantise import RankGenerator, SeededState, rank_and_world, work_dtype
 from gcomp.core import ALLGATHER, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -24,7 +24,7 @@ class _Ctx:
     dtype: torch.dtype
 
 
-class NaturalCompressor(Compressor):
+class NaturalCompressor(SeededState, Compressor):
     """Natural compression by all-gather: 9 bits per entry in two byte-aligned planes, the biased fp32
     exponent of the rounded value (one uint8 per entry) and the signs (1-bit fields, ``bitpack``).
 
@@ -70,11 +70,6 @@ class NaturalCompressor(Compressor):
         values = values.view(torch.float32).masked_fill_((exponent == 0) & (sign != 0), torch.nan)
         return values.sum(0, dtype=work_dtype(ctx.dtype)).to(ctx.dtype)
 
-    def state_dict(self) -> dict:
-        return {"generator": self.random.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.random.load_state_dict(state["generator"])
 
 
 @register("natural", paper="Horváth, Ho, Horváth, Sahu, Canini, Richtárik 2019 (natural compression)")

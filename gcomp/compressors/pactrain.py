@@ -4,6 +4,7 @@ PacTrain (Wang, Wu, Li, Kutscher, 2025). Prune first (``gcomp.pruning.prune``), 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -12,7 +13,7 @@ import torch
 from gcomp.collectives import bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
 from gcomp.compressors.quantise import RankGenerator, per_segment_, rank_and_world, segment_scales
-from gcomp.core import ALLREDUCE, MAX, SUM, Method, Payload
+from gcomp.core import ALLREDUCE, MAX, SUM, Method, Payload, check_state
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker
@@ -50,8 +51,9 @@ class PacTrainCompressor(ChainedCompressor):
     stat_keys = ("packed_buckets", "freezes", "unfreezes", "mask_mismatches")
 
     def __init__(self, stable_steps: int = 5, dense_above: float = 0.9, ternary: bool = False,
-                 clip: float = 0.0, error_feedback: bool = False, seed: int = 0, granularity: str = ENTRIES):
-        self.tracker = MaskTracker(stable_steps, dense_above, granularity)
+                 clip: float = 0.0, error_feedback: bool = False, seed: int = 0, granularity: str = ENTRIES,
+                 check_every: int = 10):
+        self.tracker = MaskTracker(stable_steps, dense_above, granularity, check_every)
         self.ternary, self.clip, self.error_feedback, self.seed = ternary, clip, error_feedback, seed
         self.lossless = not ternary
         self.world_size, self.rank = 1, 0
@@ -204,8 +206,21 @@ class PacTrainCompressor(ChainedCompressor):
         return {"generator": self.random.state_dict(), "tracker": self.tracker.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        check_state(self, state, {"generator": (dict, torch.Tensor), "tracker": dict})
         self.random.load_state_dict(state["generator"])
         self.tracker.load_state_dict(state["tracker"])
+
+    def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
+        """Every rank tracks alike: any old rank's tracker goes on; the ternary residuals (error feedback,
+        per rank) are summed per bucket layout; the new rank's draws start its own stream."""
+        tracker = {}
+        for key, entry in every[0]["tracker"].items():
+            entry = {k: v for k, v in entry.items() if k != "residual"}
+            held = [s["tracker"][key]["residual"] for s in assigned if "residual" in s["tracker"].get(key, {})]
+            if held:
+                entry["residual"] = torch.stack(held).sum(0)
+            tracker[key] = entry
+        return {"generator": {}, "tracker": tracker}
 
 
 @register("pactrain", paper="Wang, Wu, Li, Kutscher 2025 (PacTrain, arXiv 2505.18563)")
@@ -216,7 +231,15 @@ def pactrain(
     clip: Annotated[float, Range(0, None), "ternary: clip at clip * std per parameter (TernGrad: 2.5; 0 off)"] = 0.0,
     error_feedback: Annotated[bool, "ternary: add what ternarising lost to the next step"] = False,
     seed: Annotated[int, Range(0, None), "seed of the ternary draws (each rank draws its own stream from it)"] = 0,
+    check_every: Annotated[int, Range(0, None), "compare a packed bucket's masks with those it froze on every this "
+                                                "many steps (edits through .data; 0: never)"] = 10,
 ) -> Method:
     """PacTrain: only the entries the pruning masks keep are all-reduced, packed densely, once stable."""
-    return Method(PacTrainCompressor(stable_steps, dense_above, ternary, clip, error_feedback, seed), NoMemory(),
+    if not ternary:
+        idle = [name for name, on in (("clip", clip > 0), ("error_feedback", error_feedback)) if on]
+        if idle:
+            warnings.warn(f"pactrain: parameter {' and '.join(map(repr, idle))} has no effect without ternary=True",
+                          UserWarning, stacklevel=3)
+    return Method(PacTrainCompressor(stable_steps, dense_above, ternary, clip, error_feedback, seed,
+                                     check_every=check_every), NoMemory(),
                   ChainedAllreduceCommunicator())

@@ -17,11 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
+import math
+import warnings
+
 import torch
 
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
 from gcomp.compressors.quantise import stream_seed
-from gcomp.core import ALLREDUCE, Method, Payload, check_state_keys
+from gcomp.core import ALLREDUCE, Method, Payload, check_state, sum_by_name, tensor_dict
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.registry import register
@@ -108,6 +111,18 @@ class PowerSGDCompressor(ChainedCompressor):
         if model is not None:
             self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
             self._plans.clear()
+            if not any(self._compresses(shape) for shape in self.shapes.values()):
+                warnings.warn(f"powersgd: with rank={self.approx_rank} and min_compression_rate="
+                              f"{self.min_compression_rate} no parameter of this model is compressed (every matrix "
+                              "would shrink too little): every bucket goes dense; lower the rank",
+                              UserWarning, stacklevel=3)
+
+    def _compresses(self, shape: tuple[int, ...]) -> bool:
+        """Whether a parameter of ``shape`` travels as P and Q (else dense)."""
+        if len(shape) < 2 or not all(shape):
+            return False
+        n, m = shape[0], math.prod(shape[1:])
+        return (n + m) * min(n, m, self.approx_rank) * self.min_compression_rate < n * m
 
     # --- layout ---------------------------------------------------------------------------------------------
 
@@ -121,12 +136,10 @@ class PowerSGDCompressor(ChainedCompressor):
         dense, matrices, dense_numel, p_numel, q_numel = [], [], 0, 0, 0
         for name, offset, numel in bucket.segments():
             shape = self.shapes.get(name)
-            if shape is not None and len(shape) >= 2 and numel > 0 and shape[0] * (numel // shape[0]) == numel:
+            if shape is not None and math.prod(shape) == numel and self._compresses(shape):
                 n, m = shape[0], numel // shape[0]
-                r = min(n, m, self.approx_rank)
-                if (n + m) * r * self.min_compression_rate < n * m:
-                    matrices.append((name, offset, n, m, r))
-                    continue
+                matrices.append((name, offset, n, m, min(n, m, self.approx_rank)))
+                continue
             dense.append((offset, numel))
             dense_numel += numel
         placed = []
@@ -239,10 +252,21 @@ class PowerSGDCompressor(ChainedCompressor):
                 "errors": dict(self._errors)}
 
     def load_state_dict(self, state: dict) -> None:
-        check_state_keys(self, state, ("generator", "queries", "errors"))
+        check_state(self, state, {"generator": torch.Tensor, "queries": dict, "errors": dict})
+        tensor_dict("powersgd", "queries", state["queries"])
+        tensor_dict("powersgd", "errors", state["errors"])
         self.generator.set_state(state["generator"])
         self._queries = {n: t.clone() for n, t in state["queries"].items()}
         self._errors = {n: t.clone() for n, t in state["errors"].items()}
+
+    def parameter_state(self, state: dict) -> dict:
+        return {"errors": state["errors"]}
+
+    def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
+        """Only the sum of the errors over ranks matters to the next steps: it is kept. The warm-start
+        queries and the query generator are the same on every rank."""
+        return {"generator": every[0]["generator"], "queries": every[0]["queries"],
+                "errors": sum_by_name([s["errors"] for s in assigned])}
 
 
 @register("powersgd", paper="Vogels, Karimireddy, Jaggi 2019 (PowerSGD, NeurIPS)")

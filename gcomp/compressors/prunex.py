@@ -31,6 +31,8 @@ def prunex(
     ternary: Annotated[bool, "ternarise the compacted inter-node payload (as pactrain's ternary)"] = False,
     stable_steps: Annotated[int, Range(1, None), "steps a bucket's masks must stay unchanged before compacting"] = 5,
     dense_above: Annotated[float, Range(0, 1), "send a bucket uncompacted when it keeps more than this"] = 1.0,
+    check_every: Annotated[int, Range(0, None), "compare a compacted bucket's masks with those it froze on every "
+                                                "this many steps (edits through .data; 0: never)"] = 10,
 ) -> Method:
     """Dense SUM inside each node; between node leaders only, a dense all-reduce of the kept filters and
     channels, copied out of the bucket as blocks (no index on the wire or per entry); broadcast in each node.
@@ -38,7 +40,7 @@ def prunex(
     The default ``dense_above=1.0`` compacts every bucket, the unpruned ones too (a copy, plus one entry
     that flags mask changes): so masks installed after ``gcomp.install`` (ADMM's hard prune, mid-training)
     are noticed on every leader alike, and the compacted layout is rebuilt."""
-    packer = PacTrainCompressor(stable_steps, dense_above, ternary, granularity=GROUPS)
+    packer = PacTrainCompressor(stable_steps, dense_above, ternary, granularity=GROUPS, check_every=check_every)
     packer.tracker.label = "prunex"
     inner = Method(packer, NoMemory(), ChainedAllreduceCommunicator(), name="pactrain")
     return Method(PruneXCompressor(inner, ranks_per_node), NoMemory(), HierarchicalCommunicator())

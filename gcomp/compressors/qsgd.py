@@ -7,8 +7,8 @@ from typing import Annotated
 import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.compressors.quantise import (RankGenerator, per_segment_, rank_and_world, segment_lengths, wire_scale,
-                                        work_dtype)
+from gcomp.compressors.quantise import (RankGenerator, SeededState, per_segment_, rank_and_world, segment_lengths,
+                                        wire_scale, work_dtype)
 from gcomp.core import ALLGATHER, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -30,7 +30,7 @@ class _Ctx:
     lengths: tuple[int, ...]
 
 
-class QSGDCompressor(Compressor):
+class QSGDCompressor(SeededState, Compressor):
     """QSGD by all-gather: per parameter its fp32 L2 norm ``r``, per entry a level ``l`` in {0..s} with
     ``E[l] = s |g| / r`` (rounded down or up at random), sent with the sign as ``sign(g) l + s`` in
     ``field_bits(s)``-bit fields (``bitpack``: 8 bits per entry for the default s = 127, byte-aligned) plus 32
@@ -82,11 +82,6 @@ class QSGDCompressor(Compressor):
         unit = norms.to(work) / self.levels  # not in place: .to may return the payload tensor itself
         return per_segment_(levels, unit, ctx.lengths, torch.Tensor.mul_).sum(0).to(ctx.dtype)
 
-    def state_dict(self) -> dict:
-        return {"generator": self.random.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.random.load_state_dict(state["generator"])
 
 
 @register("qsgd", paper="Alistarh, Grubic, Li, Tomioka, Vojnovic 2017 (QSGD, NeurIPS)")

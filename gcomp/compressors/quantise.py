@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
+from gcomp.core import check_state
 
 _SEED_BITS = 63  # torch seeds are 64-bit; staying below the sign bit keeps every API happy
 
@@ -60,8 +61,28 @@ class RankGenerator:
     def load_state_dict(self, state: dict | torch.Tensor) -> None:
         if isinstance(state, torch.Tensor):  # a checkpoint from before per-device generators: the CPU one's
             state = {"cpu": state}
+        if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                  and v.dtype == torch.uint8 for k, v in state.items()):
+            raise ValueError("the random generator state must map devices to generator states (uint8 tensors)")
         self._generators.clear()
         self._pending = {key: value.clone() for key, value in state.items()}
+
+
+class SeededState:
+    """Checkpointing for a codec whose only state is its random streams (``self.random``, a ``RankGenerator``):
+    per rank; after a resize every rank starts its own stream afresh. Put it before ``Compressor`` in the bases."""
+
+    random: RankGenerator
+
+    def state_dict(self) -> dict:
+        return {"generator": self.random.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state(self, state, {"generator": (dict, torch.Tensor)})
+        self.random.load_state_dict(state["generator"])
+
+    def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
+        return {"generator": {}}
 
 
 def rank_and_world(group) -> tuple[int, int]:

@@ -7,7 +7,7 @@ import torch
 
 from gcomp.collectives import AllreduceCommunicator
 from gcomp.compressors.quantise import stream_seed
-from gcomp.core import ALLREDUCE, Compressor, Method, Payload, check_state_keys
+from gcomp.core import ALLREDUCE, Compressor, Method, Payload, check_state
 from gcomp.memory import ResidualMemory
 from gcomp.params import Range
 from gcomp.registry import register
@@ -49,9 +49,14 @@ class RandomKCompressor(Compressor):
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
 
+    replicated_state = True  # one stream, the same on every rank
+
     def load_state_dict(self, state: dict) -> None:
-        check_state_keys(self, state, ("generator",))
+        check_state(self, state, {"generator": torch.Tensor})
         self.generator.set_state(state["generator"])
+
+    def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
+        return every[0]
 
 
 @register("randomk", paper="Stich, Cordonnier, Jaggi 2018 (Sparsified SGD with memory: random-k)")

@@ -22,7 +22,7 @@ import torch
 
 from gcomp.bucket_state import BucketState
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.core import ALLGATHER, Compressor, Method, Payload, check_state_keys
+from gcomp.core import ALLGATHER, Compressor, Method, Payload, check_state, tensor_dict
 from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.params import OneOf, Range
 from gcomp.registry import register
@@ -112,8 +112,12 @@ class SignumCompressor(ScaledSignCompressor):
         return self._store.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        check_state_keys(self, state, ("momentum",))
+        check_state(self, state, {"momentum": dict})
+        tensor_dict("signum", "momentum", state["momentum"])
         self._store.load_state_dict(state)
+
+    def parameter_state(self, state: dict) -> dict:
+        return {"momentum": state["momentum"]}
 
 
 _AGGREGATE_HELP = "how ranks' signs combine: 'mean' of the scaled signs, or 'majority' vote (ties 0)"

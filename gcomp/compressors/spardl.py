@@ -9,7 +9,7 @@ import torch
 
 from gcomp.collectives.scheduled import ProgramCommunicator, ScheduledCompressor, ScheduledCtx
 from gcomp.collectives.spardl import spardl_program
-from gcomp.core import Method
+from gcomp.core import Method, check_state
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.registry import register
@@ -111,10 +111,15 @@ class SparDLCompressor(ScheduledCompressor):
         return {**super().state_dict(), "budgets": budgets}
 
     def load_state_dict(self, state: dict) -> None:
-        state = dict(state)
-        budgets = state.pop("budgets", {})
-        super().load_state_dict(state)
-        self._budgets = {key: _Budget(b["h"], b["step"], b["inertia"], b["union"]) for key, b in budgets.items()}
+        check_state(self, state, {"memory": dict}, {"budgets": dict})
+        budgets = state.get("budgets", {})  # none after a resize: the budgets adapt afresh
+        for key, b in budgets.items():
+            check_state(f"spardl budget {key!r}", b, {"h": int, "step": int, "inertia": bool},
+                        {"union": (torch.Tensor, type(None))})
+            if b["h"] < 1:
+                raise ValueError(f"spardl budget {key!r}: 'h' must be at least 1, got {b['h']}")
+        super().load_state_dict({"memory": state["memory"]})
+        self._budgets = {key: _Budget(b["h"], b["step"], b["inertia"], b.get("union")) for key, b in budgets.items()}
 
 
 @register("spardl", paper="Zhao et al., SparDL, arXiv 2304.00737 (2023)")

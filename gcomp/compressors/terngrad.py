@@ -8,8 +8,8 @@ import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
-from gcomp.compressors.quantise import (RankGenerator, per_segment_, rank_and_world, segment_lengths, segment_scales,
-                                        wire_scale, work_dtype)
+from gcomp.compressors.quantise import (RankGenerator, SeededState, per_segment_, rank_and_world, segment_lengths,
+                                        segment_scales, wire_scale, work_dtype)
 from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import OneOf, Range
@@ -23,7 +23,7 @@ class _Ctx:
     values: torch.Tensor | None = None  # the all-reduce path: the entries, ternarised once the scale is shared
 
 
-class TernGradCompressor(Compressor):
+class TernGradCompressor(SeededState, Compressor):
     """Ternary codes by all-gather: per parameter one fp32 scale ``s`` (max |g|, or with clipping
     ``min(max |g|, clip * std)``) and per entry ``t`` in {-1, 0, 1} drawn with ``P(t = sign g) = |g| / s``,
     sent as ``t + 1`` in 2-bit fields (``bitpack``, 32 per int64 word): 2 bits per entry plus 32 bits per
@@ -67,11 +67,6 @@ class TernGradCompressor(Compressor):
         codes = bitpack.unpack(words.reshape(-1), words.numel() * 32, 2, dtype=work).view(world, -1)[:, :ctx.n]
         return per_segment_(codes - 1, scales.to(work), ctx.lengths, torch.Tensor.mul_).sum(0).to(ctx.dtype)
 
-    def state_dict(self) -> dict:
-        return {"generator": self.random.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.random.load_state_dict(state["generator"])
 
 
 class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):

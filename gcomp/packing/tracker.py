@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from gcomp.bucket import BucketInfo
+from gcomp.core import check_state
 from gcomp.packing.groups import GroupSupport
-from gcomp.pruning.masks import mask_of, parameter_of
+from gcomp.pruning.masks import mask_of, masks_digest, named_masks, parameter_of
 from gcomp.packing.support import Support, SupportIndex, bucket_support
 
 TRACKING, PACKED, DENSE = "tracking", "packed", "dense"
@@ -48,6 +49,8 @@ class BucketTrack:
     candidate: Support | None = None
     support: Support | None = None
     buffers: dict = field(default_factory=dict)  # the method's per-bucket buffers, dropped with the support
+    mask_digest: torch.Tensor | None = None  # a packed bucket's masks as they were when it froze
+    unchecked: int = 0  # packed steps since the masks were last compared with ``mask_digest``
 
 
 class MaskTracker:
@@ -55,10 +58,12 @@ class MaskTracker:
 
     label = "pactrain"  # the method named in warnings
 
-    def __init__(self, stable_steps: int = 5, dense_above: float = 0.9, granularity: str = ENTRIES):
+    def __init__(self, stable_steps: int = 5, dense_above: float = 0.9, granularity: str = ENTRIES,
+                 check_every: int = 10):
         if granularity not in (ENTRIES, GROUPS):
             raise ValueError(f"granularity must be {ENTRIES!r} or {GROUPS!r}, got {granularity!r}")
         self.stable_steps = stable_steps
+        self.check_every = check_every
         self.dense_above = dense_above
         self.granularity = granularity
         self.model: nn.Module | None = None
@@ -68,6 +73,11 @@ class MaskTracker:
 
     def bind(self, model: nn.Module | None, stats: dict) -> None:
         self.model, self.stats = model, stats
+        # prunex is installed before its structured prune (ADMM's hard prune, mid-training): no warning there
+        if model is not None and self.label == "pactrain" and not named_masks(model):
+            warnings.warn(f"{self.label}: the model has no pruning masks (torch.nn.utils.prune), so every bucket "
+                          "goes as a dense all-reduce until masks appear; prune it first (gcomp.pruning.prune)",
+                          UserWarning, stacklevel=3)
 
     def _masks(self, info: BucketInfo) -> list[torch.Tensor | None]:
         if self.model is None:
@@ -99,6 +109,8 @@ class MaskTracker:
         track.signature = signature
         if track.mode == DENSE:
             return track, changed_here
+        if track.mode == PACKED and self.check_every:
+            changed_here |= self._edited_in_place(info, track)
         pending, track.pending = track.pending, None
         any_changed, agree = True, False
         if pending is not None:
@@ -116,7 +128,7 @@ class MaskTracker:
             if track.candidate is not None:
                 candidate, track.candidate = track.candidate, None
                 if not any_changed and agree:
-                    self._freeze(track, candidate)
+                    self._freeze(track, candidate, info)
                     return track, changed_here
                 if not any_changed:
                     self._count("mask_mismatches")
@@ -131,6 +143,22 @@ class MaskTracker:
             if track.stable >= self.stable_steps:
                 track.candidate = self._build(info, device)
         return track, changed_here
+
+    def _edited_in_place(self, info: BucketInfo, track: BucketTrack) -> bool:
+        """Every ``check_every`` packed steps: whether the masks differ from those the bucket froze on. An edit
+        through ``mask.data`` leaves the mask's ``_version`` as it was, so only their contents tell; the answer
+        rides in the packed payload's changed entry, so no rank packs on stale masks for longer than that."""
+        track.unchecked += 1
+        if track.unchecked < self.check_every:
+            return False
+        track.unchecked = 0
+        now = self._mask_digest(info)
+        if track.mask_digest is None:  # a track made by hand (a benchmark) starts from the masks it sees
+            track.mask_digest = now
+        return not torch.equal(now, track.mask_digest)
+
+    def _mask_digest(self, info: BucketInfo) -> torch.Tensor:
+        return masks_digest([m for m in self._masks(info) if m is not None]).cpu()
 
     def _restore(self, info: BucketInfo, device) -> BucketTrack:
         """A new track, or the checkpointed one when the support it froze (or had out as a candidate),
@@ -151,6 +179,7 @@ class MaskTracker:
             track.candidate = support
         else:
             track.support = support
+            track.mask_digest = self._mask_digest(info)
         if "residual" in saved:
             track.buffers["residual"] = saved["residual"].to(device)
         return track
@@ -175,11 +204,16 @@ class MaskTracker:
         return out
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"{self.label}: the tracker state must be a dict, got {type(state).__name__}")
+        for key, entry in state.items():
+            _check_track(f"{self.label}: tracker entry {key!r}", entry)
         self.tracks, self._restored = {}, dict(state)
 
-    def _freeze(self, track: BucketTrack, support: Support) -> None:
+    def _freeze(self, track: BucketTrack, support: Support, info: BucketInfo) -> None:
         self._count("freezes")
         track.support = support
+        track.mask_digest, track.unchecked = self._mask_digest(info), 0
         track.mode = DENSE if support.kept > self.dense_above * support.numel else PACKED
 
     def _count(self, key: str) -> None:
@@ -207,6 +241,23 @@ class MaskTracker:
     def receive_changed(track: BucketTrack, changed: torch.Tensor) -> None:
         """Keep a packed step's count of ranks whose masks changed (digests agreed when it froze)."""
         track.pending = _to_host(torch.stack([changed.reshape(()) > 0, torch.ones_like(changed.reshape(()) > 0)]))
+
+
+def _check_track(where: str, entry) -> None:
+    """A checkpointed track, checked before it is kept: a bad one must fail at load, not at a later step."""
+    check_state(where, entry, {"mode": str, "stable": int},
+                {"pending": torch.Tensor, "digest": torch.Tensor, "residual": torch.Tensor})
+    if entry["mode"] not in (TRACKING, PACKED, DENSE):
+        raise ValueError(f"{where}: 'mode' must be one of {TRACKING!r}, {PACKED!r}, {DENSE!r}; got {entry['mode']!r}")
+    if entry["stable"] < 0:
+        raise ValueError(f"{where}: 'stable' must be at least 0, got {entry['stable']}")
+    if entry["mode"] != TRACKING and "digest" not in entry:
+        raise ValueError(f"{where}: a {entry['mode']} track needs the 'digest' of its support")
+    for key, shape, dtype in (("digest", (2,), torch.int64), ("pending", (2,), torch.bool)):
+        if key in entry and (tuple(entry[key].shape) != shape or entry[key].dtype != dtype):
+            raise ValueError(f"{where}: {key!r} must be a {dtype} tensor of shape {shape}")
+    if "residual" in entry and not bool(torch.isfinite(entry["residual"]).all()):
+        raise ValueError(f"{where}: 'residual' holds non-finite values")
 
 
 def _to_host(flags: torch.Tensor) -> tuple:

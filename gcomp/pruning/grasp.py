@@ -83,7 +83,12 @@ def _output_width(model: nn.Module, batch, device: torch.device) -> int:
     if not _is_batch(batch) or batch[0].shape[0] == 0:
         raise ValueError("the first batch of data must be a non-empty tuple (inputs, targets) of tensors")
     with torch.no_grad():
-        out = model(batch[0][:1].to(device))
+        try:
+            out = model(batch[0][:1].to(device))
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise ValueError(f"GraSP data: the model cannot take inputs of shape {tuple(batch[0].shape[1:])} "
+                             f"(per example) ({err}); give data=(inputs, targets) as the model is fed in "
+                             "training") from err
     if not isinstance(out, torch.Tensor) or out.dim() != 2:
         raise ValueError("GraSP needs a model whose output is a (batch, classes) tensor of logits")
     return out.shape[1]

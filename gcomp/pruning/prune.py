@@ -153,6 +153,10 @@ def _keep_mask(model, layers, ratio, method, data, scope, temperature, samples_p
         n = b - a
         already = int(pruned[a:b].sum())
         k = round(float(ratio) * n)
+        if n and k >= n:
+            what = "the model's prunable" if scope == "global" else f"layer {layers[groups.index((a, b))][0]!r}'s"
+            raise ValueError(f"ratio={ratio} rounds up to all {n} of {what} weights, as ratio=1 would: a layer "
+                             "without weights cuts the network; lower the ratio")
         if already > k:
             warnings.warn(f"{already} of {n} weights are already pruned, more than ratio={ratio} asks for "
                           f"({k}); they stay pruned", stacklevel=3)

@@ -40,10 +40,10 @@ class Ranks:
     """``world`` simulated ranks, each with its own copy of the model (``build()``) and its own tracker."""
 
     def __init__(self, world: int, stable_steps: int = 2, dense_above: float = 0.9,
-                 build: Callable[[], nn.Module] = _model):
+                 build: Callable[[], nn.Module] = _model, check_every: int = 10):
         self.models = [build() for _ in range(world)]
         self.stats = [{k: 0 for k in STATS} for _ in range(world)]
-        self.trackers = [MaskTracker(stable_steps, dense_above) for _ in range(world)]
+        self.trackers = [MaskTracker(stable_steps, dense_above, check_every=check_every) for _ in range(world)]
         for tracker, m, s in zip(self.trackers, self.models, self.stats):
             tracker.bind(m, s)
         self.tracks: list = []
@@ -263,3 +263,55 @@ def test_state_dict_keeps_the_count_of_a_tracking_bucket():
     resumed = Ranks(1, stable_steps=2)
     resumed.trackers[0].load_state_dict(ranks.trackers[0].state_dict())
     assert resumed.steps(info, 3) == ranks.steps(info, 3) == [TRACKING, PACKED, PACKED]
+
+
+def _edit_through_data(model: nn.Module, value: float, count: int = 3) -> None:
+    """What ``mask.data[...] = v`` does: the mask's contents change, its ``_version`` does not."""
+    data = model[0].weight_mask.data.view(-1)
+    before = model[0].weight_mask._version
+    data[(data != value).nonzero().reshape(-1)[:count]] = value
+    assert model[0].weight_mask._version == before
+
+
+@pytest.mark.parametrize("check_every", [1, 4])
+def test_a_mask_edited_through_data_on_one_rank_is_caught_within_check_every_steps(check_every):
+    """Before: the version check missed it, the bucket went on packed and the replicas diverged in silence.
+    Now the frozen masks are compared every ``check_every`` packed steps; the edit rides in the packed
+    payload's changed entry, every rank unfreezes, and their digests no longer agree (a warning, dense)."""
+    ranks = Ranks(2, stable_steps=1, check_every=check_every)
+    info = _info(ranks.models[0], BUCKET)
+    assert ranks.steps(info, 4)[-1] == PACKED
+    ranks.steps(info, 5)  # the count runs on between edits
+    _edit_through_data(ranks.models[1], 0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        modes = ranks.steps(info, check_every + 5)
+    first = modes.index(TRACKING)
+    assert 1 <= first <= check_every and modes[:first] == [PACKED] * first, modes
+    assert PACKED not in modes[first:], modes
+    said = [str(w.message) for w in caught]
+    assert any("changed on some rank" in m for m in said) and any("ranks hold different masks" in m for m in said)
+    assert ranks.stat("unfreezes") == 1 and ranks.stat("mask_mismatches") >= 1
+
+
+def test_unpruning_through_data_on_every_rank_refreezes_on_the_larger_support():
+    """Un-pruning through ``.data`` used to leave those weights' gradients at 0 for good (they were off the
+    frozen support); now the bucket re-tracks and packs the new support."""
+    ranks = Ranks(2, stable_steps=1, check_every=2)
+    info = _info(ranks.models[0], BUCKET)
+    ranks.steps(info, 4)
+    kept = ranks.tracks[0].support.kept
+    for model in ranks.models:
+        _edit_through_data(model, 1.0, count=5)
+    with pytest.warns(RuntimeWarning, match="changed on some rank"):
+        modes = ranks.steps(info, 8)
+    assert modes[-1] == PACKED and ranks.stat("freezes") == 2
+    assert ranks.tracks[0].support.kept == kept + 5 == int(_support(ranks.models[0], BUCKET).sum())
+
+
+def test_check_every_zero_turns_the_check_off():
+    ranks = Ranks(2, stable_steps=1, check_every=0)
+    info = _info(ranks.models[0], BUCKET)
+    ranks.steps(info, 4)
+    _edit_through_data(ranks.models[1], 0.0)
+    assert ranks.steps(info, 20) == [PACKED] * 20

@@ -61,6 +61,11 @@ def test_exact_count_over_random_shapes(layers, ratio, method, scope, seed, ties
             for m in model:
                 m.weight.copy_(torch.sign(m.weight) * 0.5)
     sizes = [m.weight.numel() for m in model]
+    groups = [sum(sizes)] if scope == "global" else sizes
+    if any(round(ratio * n) >= n for n in groups):  # the ratio rounds up to every weight: refused, as 1.0 is
+        with pytest.raises(ValueError, match="rounds up to all"):
+            prune(model, ratio, method, scope=scope, seed=seed)
+        return
     result = prune(model, ratio, method, scope=scope, seed=seed)
     if scope == "global":
         assert result.removed == round(ratio * sum(sizes))

@@ -1,0 +1,149 @@
+"""How a hook's state is saved and loaded across ranks: every rank's state is its own.
+
+Error feedback makes the state per rank: each rank's residuals are what *its* compressor held back. The common
+patterns (rank 0 saves, every rank loads) would hand every rank rank 0's residuals, and the run would go on
+along another trajectory without a word. So ``HookState.state_dict()`` records the world size and files this
+rank's part under its rank::
+
+    {"format": "gcomp.hook/2", "method": ..., "params": ..., "world_size": N, "iteration": ...,
+     "ranks": {"rank<r>": <bytes: torch.save of {"stats", "memory", "compressor"}>}}
+
+and ``HookState.load_state_dict`` takes its own rank's part, refusing another rank's (unless the method's state
+is the same on every rank). ``HookState.gather_state_dict()`` fills ``ranks`` with every rank's part (one
+collective), so one file on rank 0 resumes every rank, and a different world size resumes where the method
+can say how (residuals are summed: old rank j goes to new rank j mod N). Each rank's part is one bytes value,
+so ``torch.distributed.checkpoint`` stores every rank's under its own key instead of keeping one copy of
+tensors it takes for replicated: ``dcp.save({"gcomp": hook_state})`` and ``dcp.load`` work as they are.
+"""
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from gcomp.core import Method, check_state
+
+STATE_FORMAT = "gcomp.hook/2"
+LEGACY_FORMAT = "gcomp.hook/1"  # one rank's state, no rank recorded
+HOW_TO_SAVE = ("save every rank's state in one object with hook_state.gather_state_dict() (a collective; then "
+               "save it on one rank), or torch.distributed.checkpoint (dcp.save({'gcomp': hook_state})), or each "
+               "rank's hook_state.state_dict() in a file of its own")
+
+
+def rank_key(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def pack(part: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(part, buffer)
+    return buffer.getvalue()
+
+
+def unpack(key: str, blob: bytes) -> dict:
+    try:
+        part = torch.load(io.BytesIO(blob), weights_only=True)
+    except Exception as err:  # noqa: BLE001 -- any unreadable part is the same user error
+        raise ValueError(f"gcomp checkpoint: the state of {key} cannot be read ({type(err).__name__}: {err}); "
+                         "the file is truncated or not a gcomp hook state") from err
+    check_state(f"gcomp checkpoint ({key})", part, {"stats": dict, "memory": dict, "compressor": dict})
+    return part
+
+
+def check_header(state: Any, method: Method) -> None:
+    """The parts of a checkpoint every rank shares: format, method and parameters, world size, step."""
+    if not isinstance(state, dict):
+        raise ValueError(f"not a gcomp hook state: expected a dict, got {type(state).__name__} (an empty or "
+                         "truncated checkpoint file?)")
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"not a gcomp hook state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
+    check_state("gcomp checkpoint", state, {"format": str, "method": str, "params": dict, "world_size": int,
+                                            "iteration": int, "ranks": dict})
+    if state["method"] != method.name or state["params"] != method.params:
+        raise ValueError(f"checkpoint is for {state['method']}({state['params']}), "
+                         f"the installed method is {method.name}({method.params})")
+    if state["world_size"] < 1:
+        raise ValueError(f"gcomp checkpoint: 'world_size' must be at least 1, got {state['world_size']}")
+    if state["iteration"] < 0:
+        raise ValueError(f"gcomp checkpoint: 'iteration' must be at least 0, got {state['iteration']}")
+    ranks = state["ranks"]
+    if not ranks or not all(isinstance(k, str) and k.startswith("rank") and isinstance(v, bytes)
+                            for k, v in ranks.items()):
+        raise ValueError("gcomp checkpoint: 'ranks' must map 'rank<r>' to each rank's saved state (bytes)")
+
+
+def from_legacy(state: dict, rank: int, world_size: int) -> dict:
+    """A state of the first format (one rank's, no rank recorded), taken as this rank's own, with a warning."""
+    check_state("gcomp checkpoint", state, {"format": str, "method": str, "params": dict, "iteration": int,
+                                            "stats": dict, "memory": dict, "compressor": dict})
+    warnings.warn("this gcomp checkpoint records no rank (format gcomp.hook/1): it is loaded as this rank's "
+                  "own state; if one rank saved it for all, each rank now holds that rank's residuals",
+                  RuntimeWarning, stacklevel=3)
+    part = {k: state[k] for k in ("stats", "memory", "compressor")}
+    return {"format": STATE_FORMAT, "method": state["method"], "params": state["params"],
+            "world_size": world_size, "iteration": state["iteration"], "ranks": {rank_key(rank): pack(part)}}
+
+
+def own_part(state: dict, method: Method, rank: int, world_size: int) -> dict:
+    """This rank's ``{"stats", "memory", "compressor"}`` from a checked checkpoint: its own, any rank's when the
+    method's state is the same on every rank, or merged from every old rank's after a change of world size."""
+    saved_world, ranks = state["world_size"], state["ranks"]
+    replicated = method.memory.replicated and method.compressor.replicated
+    mine = ranks.get(rank_key(rank))
+    if saved_world == world_size and mine is not None:
+        return unpack(rank_key(rank), mine)
+    if replicated:
+        key = sorted(ranks)[0]
+        return unpack(key, ranks[key])
+    held = sorted(ranks, key=lambda k: int(k[4:]) if k[4:].isdigit() else -1)
+    if saved_world == world_size:
+        raise ValueError(f"this gcomp checkpoint holds the state of {', '.join(held)} of a {saved_world}-rank "
+                         f"run, not of rank {rank}: {method.name} keeps state per rank (its residuals are what "
+                         f"this rank held back), and another rank's would change the run. {HOW_TO_SAVE}")
+    if len(ranks) != saved_world or set(ranks) != {rank_key(r) for r in range(saved_world)}:
+        raise ValueError(f"this gcomp checkpoint is from a {saved_world}-rank run and holds {', '.join(held)}; "
+                         f"resuming on {world_size} ranks needs every rank's state: {HOW_TO_SAVE}")
+    every = [unpack(rank_key(r), ranks[rank_key(r)]) for r in range(saved_world)]
+    assigned = [every[r] for r in range(saved_world) if r % world_size == rank]
+    try:
+        memory = method.memory.merge_states([p["memory"] for p in assigned], [p["memory"] for p in every], rank)
+        compressor = method.compressor.merge_states([p["compressor"] for p in assigned],
+                                                    [p["compressor"] for p in every], rank)
+    except ValueError as err:
+        raise ValueError(f"{method.name} cannot resume a {saved_world}-rank checkpoint on {world_size} ranks: "
+                         f"{err}") from err
+    return {"stats": assigned[0]["stats"] if assigned else {}, "memory": memory, "compressor": compressor}
+
+
+def check_parameter_tensors(method: Method, part: dict, numels: dict[str, int]) -> None:
+    """The per-parameter tensors of a rank's part: parameters the model has, of their size, finite."""
+    for owner, key in ((method.memory, "memory"), (method.compressor, "compressor")):
+        try:
+            slots = owner.parameter_state(part[key])
+        except KeyError as err:
+            raise ValueError(f"gcomp checkpoint: the {key} state of {method.name} ({type(owner).__name__}) has no "
+                             f"{err.args[0]!r}") from err
+        except (TypeError, AttributeError) as err:
+            raise ValueError(f"gcomp checkpoint: the {key} state of {method.name} ({type(owner).__name__}) is "
+                             f"malformed ({err!r})") from err
+        for slot, tensors in slots.items():
+            for name, tensor in tensors.items():
+                where = f"gcomp checkpoint: {key} {slot!r} of parameter {name!r}"
+                if name not in numels:
+                    raise ValueError(f"{where}: the model has no such parameter (it has {len(numels)}, e.g. "
+                                     f"{', '.join(list(numels)[:3])})")
+                if not isinstance(tensor, torch.Tensor) or tensor.numel() != numels[name]:
+                    size = tensor.numel() if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                    raise ValueError(f"{where}: {size} entries, the parameter has {numels[name]}")
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise ValueError(f"{where}: holds non-finite values")
+
+
+def check_stats(stats: dict) -> None:
+    for key, value in stats.items():
+        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value < 0:
+            raise ValueError(f"gcomp checkpoint: statistic {key!r} must be a non-negative number, got {value!r}")
