@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 from gcomp.bucket import BucketInfo
+from gcomp.core import check_state, tensor_dict
 
 
 class BucketState:
@@ -79,5 +80,30 @@ class BucketState:
         return out
 
     def load_state_dict(self, state: dict) -> None:
+        """``state_dict()``'s form, checked: every slot a ``{parameter name: tensor}`` dict."""
+        self.check(state)
         self._live.clear()
         self._pieces = {s: {name: t.clone() for name, t in state.get(s, {}).items()} for s in self.slots}
+
+    def check(self, state: dict) -> None:
+        """Raise ValueError naming the key unless ``state`` holds every slot, and nothing else, each as a
+        ``{parameter name: tensor}`` dict."""
+        check_state(self.owner, state, {slot: dict for slot in self.slots})
+        for slot in self.slots:
+            tensor_dict(self.owner, slot, state[slot])
+
+
+class KeptInBucketState:
+    """Checkpointing for a part whose whole state is one ``BucketState``, ``self._state`` (put it before
+    ``Memory`` or ``Compressor`` in the bases)."""
+
+    _state: BucketState
+
+    def state_dict(self) -> dict:
+        return self._state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._state.load_state_dict(state)
+
+    def parameter_state(self, state: dict) -> dict:
+        return {slot: state[slot] for slot in self._state.slots}

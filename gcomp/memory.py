@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from gcomp.bucket import BucketInfo
-from gcomp.bucket_state import BucketState
-from gcomp.core import Compressor, Memory, Payload, check_state, sum_by_name, tensor_dict
+from gcomp.bucket_state import BucketState, KeptInBucketState
+from gcomp.core import Compressor, Memory, Payload, sum_by_name
 
 
 class NoMemory(Memory):
@@ -18,7 +18,7 @@ class NoMemory(Memory):
         pass
 
 
-class ResidualMemory(Memory):
+class ResidualMemory(KeptInBucketState, Memory):
     """Keeps ``residual = v - decompress(compress(v))`` per bucket and adds it to the next gradient.
 
     Residuals are kept as one flat tensor per bucket layout (``gcomp.bucket_state.BucketState``). When DDP
@@ -51,17 +51,6 @@ class ResidualMemory(Memory):
         ``compensate`` adds. Methods whose residual is only known after the exchange (SparDL's global residual
         collection, gTop-k) call this themselves instead of ``update``."""
         self._state.put(bucket, {"residuals": torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)})
-
-    def state_dict(self) -> dict:
-        return self._state.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        check_state(self, state, {"residuals": dict})
-        tensor_dict("ResidualMemory", "residuals", state["residuals"])
-        self._state.load_state_dict(state)
-
-    def parameter_state(self, state: dict) -> dict:
-        return {"residuals": state["residuals"]}
 
     def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
         return {"residuals": sum_by_name([s["residuals"] for s in assigned])}

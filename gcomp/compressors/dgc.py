@@ -16,7 +16,7 @@ from gcomp.bucket_state import BucketState
 from gcomp.collectives import AllgatherCommunicator
 from gcomp.compressors.quantise import stream_seed
 from gcomp.compressors.sparse import SparseCompressor
-from gcomp.core import Method, check_state, sum_by_name, tensor_dict
+from gcomp.core import Method, check_state, sum_by_name
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.registry import register
@@ -51,7 +51,7 @@ class DGCCompressor(SparseCompressor):
         self.generator = torch.Generator().manual_seed(stream_seed(seed, "dgc", 0))
         # one scratch entry past each buffer's end, always zero: the selection's empty slots point there, so
         # clearing the sent entries never touches an entry that was not sent
-        self.state = BucketState(_BUFFERS, spare=1, owner="dgc")
+        self.state = BucketState(_BUFFERS, spare=1, owner="DGCCompressor")
         self._segment_ids: dict[str, torch.Tensor] = {}
 
     def bind(self, model, group, stats) -> None:
@@ -134,13 +134,11 @@ class DGCCompressor(SparseCompressor):
 
     def load_state_dict(self, state: dict) -> None:
         check_state(self, state, {"generator": torch.Tensor, "steps": int, **{b: dict for b in _BUFFERS}})
-        for b in _BUFFERS:
-            tensor_dict("dgc", b, state[b])
         if state["steps"] < 0:
             raise ValueError(f"DGCCompressor: 'steps' must be at least 0, got {state['steps']}")
         self.generator.set_state(state["generator"])
         self.steps = state["steps"]
-        self.state.load_state_dict(state)
+        self.state.load_state_dict({b: state[b] for b in _BUFFERS})  # checks each buffer's tensors
 
     def parameter_state(self, state: dict) -> dict:
         return {b: state[b] for b in _BUFFERS}

@@ -20,9 +20,9 @@ from typing import Annotated
 
 import torch
 
-from gcomp.bucket_state import BucketState
+from gcomp.bucket_state import BucketState, KeptInBucketState
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.core import ALLGATHER, Compressor, Method, Payload, check_state, tensor_dict
+from gcomp.core import ALLGATHER, Compressor, Method, Payload
 from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.params import OneOf, Range
 from gcomp.registry import register
@@ -84,7 +84,7 @@ class ScaledSignCompressor(Compressor):
         return (scales.reshape(1, world) @ _plus_minus(bits)).reshape(n).to(dtype)
 
 
-class SignumCompressor(ScaledSignCompressor):
+class SignumCompressor(KeptInBucketState, ScaledSignCompressor):
     """Signum: keeps ``m = momentum * m + (1 - momentum) * g`` per bucket (fp32, per parameter in checkpoints)
     and sends ``sign(m)`` as 1 bit per entry plus ``mean(|m|)`` as one fp32 number, by all-gather.
 
@@ -97,27 +97,17 @@ class SignumCompressor(ScaledSignCompressor):
     def __init__(self, momentum: float, aggregate: str = "mean"):
         super().__init__(aggregate)
         self.momentum = momentum
-        self._store = BucketState(("momentum",), owner="signum")
+        self._state = BucketState(("momentum",), owner="SignumCompressor")
 
     def compress(self, tensor, bucket):
         g = tensor.to(torch.float32)
-        old = self._store.find(bucket, g)
+        old = self._state.find(bucket, g)
         m = (g * (1.0 - self.momentum) if old is None
              else old["momentum"].mul(self.momentum).add_(g, alpha=1.0 - self.momentum))
         payload = self._encode(m, tensor.dtype)
-        self._store.put(bucket, {"momentum": torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)})
+        self._state.put(bucket, {"momentum": torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)})
         return payload
 
-    def state_dict(self) -> dict:
-        return self._store.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        check_state(self, state, {"momentum": dict})
-        tensor_dict("signum", "momentum", state["momentum"])
-        self._store.load_state_dict(state)
-
-    def parameter_state(self, state: dict) -> dict:
-        return {"momentum": state["momentum"]}
 
 
 _AGGREGATE_HELP = "how ranks' signs combine: 'mean' of the scaled signs, or 'majority' vote (ties 0)"
