@@ -59,13 +59,35 @@ class Topology:
 
         me = dist.get_rank(group)
         timeout = group_timeout(group)  # a dead peer must fail the subgroups as soon as it fails ``group``
+        key = (tuple(global_ranks(range(dist.get_world_size(group)))), self.nodes, timeout)
+        cached = _made.get(key)
+        if cached is not None and all(_alive(g) for g in cached):
+            return cached  # every rank installs alike, so every rank takes this branch alike
         intra = None
         for node in self.nodes:
             made = dist.new_group(global_ranks(node), timeout=timeout)
             if me in node:
                 intra = made
         inter = dist.new_group(global_ranks(self.leaders), timeout=timeout)
-        return intra, inter if me in self.leaders else None
+        _made[key] = (intra, inter if me in self.leaders else None)
+        return _made[key]
+
+
+# Node groups made so far, by (the parent group's ranks, the nodes, the timeout): a hook installed again (a new
+# DDP model, a resumed run) reuses them instead of making new ones, each with threads of its own that would
+# stay for the life of the process.
+_made: dict[tuple, tuple] = {}
+
+
+def _alive(group: dist.ProcessGroup | None) -> bool:
+    """False for a group destroyed since it was made (``destroy_process_group``), or of a world since ended."""
+    if group is None:
+        return True
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, RuntimeError, ValueError):
+        return False
+    return True
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:

@@ -26,7 +26,9 @@ def _check_survivor(name: str, rank: int, seen: dict) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", METHODS)
 def test_survivors_raise_the_collectives_error(name, world):
-    ranks = run_ranks_once(("peer-dies", world), world, jobs.every_method_loses_a_peer, METHODS,
+    # a pool of its own: the job makes some sixty process groups, whose gloo threads would otherwise stay in
+    # the shared pool's workers and slow every later test
+    ranks = run_ranks_once(("peer-dies", world), world, jobs.every_method_loses_a_peer, METHODS, fresh=True,
                            timeout=60 + 3 * jobs.GROUP_TIMEOUT_S * len(METHODS))
     for rank, results in enumerate(ranks[:-1]):
         _check_survivor(name, rank, results[name])

@@ -59,3 +59,21 @@ def test_node_groups_fail_as_soon_as_the_parent_group_would():
     dead peer must end a hierarchical step within the process group's timeout."""
     for rank, timeouts in enumerate(run_ranks(4, subgroup_timeout_job)):
         assert timeouts == ([7.0, 7.0] if rank % 2 == 0 else [7.0]), (rank, timeouts)
+
+
+def reuse_job() -> list:
+    first = Topology.regular(4, 2).groups()
+    again = Topology.regular(4, 2).groups()
+    for g in {g for g in first if g is not None}:
+        dist.destroy_process_group(g)
+    fresh = Topology.regular(4, 2).groups()  # the old ones are gone: made anew, on every rank alike
+    out = [all(a is b for a, b in zip(first, again)), all(a is not b for a, b in zip(first, fresh) if a)]
+    for g in {g for g in fresh if g is not None}:
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_a_second_install_reuses_the_node_groups():
+    """Each process group keeps threads for the life of the process: installing a hierarchical hook again (a
+    new DDP model, a resumed run) must not make new ones, unless the old ones were destroyed."""
+    assert run_ranks(4, reuse_job) == [[True, True]] * 4
