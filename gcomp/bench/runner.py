@@ -57,7 +57,8 @@ class BenchConfig:
         for key in ("workers", "steps", "batch", "eval_every", "threads", "timeout_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{key.replace('_', '-')} must be a whole number of at least 1; got {value!r}")
+                name = f"--{key.replace('_', '-')}" if key in _FLAGS else f"setting {key!r}"
+                raise ValueError(f"{name} must be a whole number of at least 1; got {value!r}")
         if not isinstance(self.pretrain_epochs, int) or self.pretrain_epochs < 0:
             raise ValueError(f"--pretrain-epochs must be a whole number of at least 0; got {self.pretrain_epochs!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -78,6 +79,9 @@ class BenchConfig:
             raise ValueError("no method to compare: --method takes a name or name:key=value")
         for text in self.methods:
             parse_method(text)
+
+
+_FLAGS = ("workers", "steps", "batch", "eval_every")  # the settings gcomp bench takes as command-line flags
 
 
 def free_port(host: str = "127.0.0.1") -> int:
