@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gcomp import checkpoint
 from gcomp.bucket import BucketInfo
+from gcomp.collectives import futures
 from gcomp.collectives.allreduce import all_reduce_all
 from gcomp.core import Method, Payload
 from gcomp.registry import create
@@ -51,6 +52,7 @@ class HookState:
         self._stat_keys = _STAT_KEYS + method.stat_keys
         self.stats: dict[str, Union[int, float]] = {k: 0.0 if k.endswith("_s") else 0 for k in self._stat_keys}
         method.compressor.bind(ddp.module, group, self.stats)
+        self._settle_task = -1  # the backward pass (autograd graph task) whose end settles the collectives
 
     @staticmethod
     def _warmup_steps(ddp: DistributedDataParallel) -> int:
@@ -77,6 +79,12 @@ class HookState:
 
     def reduce(self, bucket) -> torch.futures.Future:
         """Average one bucket over the process group; returns a future of the mean gradient."""
+        task = torch._C._current_graph_task_id()  # -1 outside a backward pass (a hook called by hand)
+        if task != self._settle_task and task != -1:
+            # the main thread goes on only once the backend's threads are done with this step's collectives
+            # (gcomp.collectives.futures says why); outside a backward pass, the settling is left to exit
+            torch.autograd.Variable._execution_engine.queue_callback(futures.settle)
+            self._settle_task = task
         buffer = bucket.buffer()
         buffer.mul_(1.0 / self.world_size)  # the same scaling DDP's own reducer applies
         stats = self.stats

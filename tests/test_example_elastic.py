@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic.py"
@@ -23,6 +24,7 @@ def _run(folder: Path, *extra: str) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_a_killed_worker_restarts_and_resumes_the_same_trajectory(tmp_path):
     plain = _run(tmp_path / "plain")
     assert "RESUMED step=0 attempt=0" in plain and "DONE steps=12" in plain

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gcomp.collectives.futures import when_all_done
+from gcomp.collectives.futures import launched, when_all_done
 from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
 
 
@@ -23,6 +23,6 @@ class AllgatherCommunicator(Communicator):
         outputs, futures = [], []
         for t in payload.tensors:
             out = t.new_empty(world * t.numel())  # gloo wants the flat form
-            futures.append(dist.all_gather_single(out, t.contiguous(), group=group, async_op=True).get_future())
+            futures.append(launched(dist.all_gather_single(out, t.contiguous(), group=group, async_op=True)))
             outputs.append(out.view(world, *t.shape))
         return when_all_done(futures, outputs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gcomp.collectives.futures import when_all_done
+from gcomp.collectives.futures import launched, when_all_done
 from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
 
 
@@ -37,7 +37,7 @@ class SizedAllgatherCommunicator(Communicator):
             padded[:length] = t
             padding += (padded.numel() - t.numel()) * t.element_size()
             out = t.new_empty(world * padded.numel())  # gloo wants the flat form
-            futures.append(dist.all_gather_single(out, padded, group=group, async_op=True).get_future())
+            futures.append(launched(dist.all_gather_single(out, padded, group=group, async_op=True)))
             outputs.append(out.view(world, *padded.shape))
         if stats is not None:
             stats["padding_bytes"] += padding

@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gcomp.collectives.futures import launched
 from gcomp.core import ALLREDUCE, Communicator, Compressor, Payload
 
 
 def all_reduce_all(payload: Payload, group: dist.ProcessGroup | None, start: int = 0) -> torch.futures.Future:
     """Asynchronous in-place all-reduce of ``payload.tensors[start:]``, each with its op; a future of their list."""
-    futures = [dist.all_reduce(t, payload.op(i), group=group, async_op=True).get_future()
+    futures = [launched(dist.all_reduce(t, payload.op(i), group=group, async_op=True))
                for i, t in enumerate(payload.tensors) if i >= start]
     if len(futures) == 1:
         return futures[0]  # its value is already the one-element list [result]

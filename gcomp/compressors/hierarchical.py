@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
-from gcomp.collectives.futures import when_done
+from gcomp.collectives.futures import launched, when_done
 from gcomp.core import HIERARCHICAL, Communicator, Compressor, Method, Payload, check_state
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -104,7 +104,7 @@ class HierarchicalCommunicator(Communicator):
             stats["inter_bytes"] += stats["bytes_sent"] - before
         source = dist.get_global_rank(compressor.intra, 0)
         work = dist.broadcast(buffer, src=source, group=compressor.intra, async_op=True)
-        return when_done(work.get_future(), [buffer])
+        return when_done(launched(work), [buffer])
 
 
 @register("hierarchical", paper="leader-follower reduction as in PruneX (Olama et al., arXiv 2512.14628)")
