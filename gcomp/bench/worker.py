@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 import gcomp
 from gcomp.bench.methods import BenchMethod, TorchHook, parse_method
 from gcomp.bench.workloads import Data, accuracy, load_data, loss_fn, make_model
+from gcomp.ddp_options import no_buffer_sync
 from gcomp.pruning import kept_fraction, prune
 
 COMPUTE_SAMPLES = 5
@@ -51,10 +52,10 @@ def build(method: BenchMethod, config: dict, data: Data, pretrained: dict | None
     if method.prunes:
         prune(model, config["prune_ratio"], config["prune_method"], data=(data.train[0][:512], data.train[1][:512]),
               seed=config["seed"])
-    # broadcast_buffers=False for every method: DDP would otherwise re-send every pruning mask (as large as
-    # the weights) from rank 0 at each forward; prune() already made the masks equal on every rank.
+    # no_buffer_sync() for every method: DDP would otherwise re-send every pruning mask (as large as the weights)
+    # from rank 0 at each forward; prune() already made the masks equal on every rank.
     ddp = DistributedDataParallel(model, bucket_cap_mb=1e6 if method.one_bucket else config["bucket_cap_mb"],
-                                  broadcast_buffers=False)
+                                  **no_buffer_sync())
     if method.is_torch:
         stats = TorchHook(method.name, ddp).stats
     else:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 import gcomp
+from gcomp.ddp_options import no_buffer_sync
 from gcomp.pruning import named_masks
 from tests import models
 
@@ -38,11 +39,11 @@ class Config:
     steps: int = STEPS
     reference: bool = True  # also train the plain DDP twin
     edit: str | None = None  # an EDITS entry, applied before the forward of step EDIT_AT
-    differ: bool = False  # rank 1 holds other masks from the start (needs broadcast_buffers=False)
+    differ: bool = False  # rank 1 holds other masks from the start (needs NO_SYNC)
     no_warmup: bool = False  # the hook's warm-up cut to 0: the tracker sees DDP's initial layout and its rebuild
 
 
-NO_SYNC = {"broadcast_buffers": False}
+NO_SYNC = no_buffer_sync()  # masks that differ between ranks stay so (DDP would broadcast rank 0's every forward)
 CONFIGS = {
     "basic": Config(),
     "static": Config(ddp={"static_graph": True}),
@@ -118,11 +119,9 @@ def _flip_first_entry_on_rank_1(model: nn.Module) -> None:
 
 def _build(config: Config, hook: bool) -> tuple[nn.Module, gcomp.HookState | None]:
     model = pruned_mlp() if config.model == "mlp" else pruned_cnn(channels_last=config.model == "cnn_cl")
-    if config.differ:
-        _flip_first_entry_on_rank_1(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated in 2.13, still needed
-        ddp_model = models.ddp(model, bucket_cap_mb=BUCKET_MB, **config.ddp)
+    ddp_model = models.ddp(model, bucket_cap_mb=BUCKET_MB, **config.ddp)
+    if config.differ:  # after DDP is built: with forward_sync_buffers=False (torch 2.13) it still broadcasts
+        _flip_first_entry_on_rank_1(model)  # rank 0's buffers, the masks, once at construction
     state = gcomp.install(ddp_model, "pactrain", **config.params) if hook else None
     if state is not None and config.no_warmup:
         state.warmup = 0

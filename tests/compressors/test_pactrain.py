@@ -374,10 +374,11 @@ def test_survives_the_rebuild():
 
 
 def test_a_rank_with_other_masks_is_detected_and_sent_dense():
-    """Rank 1 holds other masks from the start (broadcast_buffers=False): every candidate support's digest
-    differs, so every rank warns, counts a mismatch per packable bucket and check (each stable_steps + 1 = 3
-    steps: 3 checks in 11 steps), never packs and never freezes those buckets (the unpruned bucket, the same on
-    every rank, freezes into dense mode). Equality with plain DDP: test_lossless_training_equals_plain_ddp."""
+    """Rank 1 holds other masks from the hook's first step (changed after DDP is built, with NO_SYNC): every
+    candidate support's digest differs, so every rank warns, counts a mismatch per packable bucket and check
+    (each stable_steps + 1 = 3 steps: 3 checks in 11 steps), never packs and never freezes those buckets (the
+    unpruned bucket, the same on every rank, freezes into dense mode). Equality with plain DDP:
+    test_lossless_training_equals_plain_ddp."""
     for run in _runs(2, "mismatch"):
         last = run["history"][-1]
         assert last["packed_buckets"] == 0 and last["freezes"] == 1 and last["unfreezes"] == 0
