@@ -182,6 +182,9 @@ class Compressor(_Checkpointed, ABC):
     # True when the result depends on where DDP lays each parameter in the bucket (SparDL cuts the flat bucket
     # into blocks): a checkpoint resumed on another bucket layout then goes on along another trajectory.
     depends_on_layout: ClassVar[bool] = False
+    # True when the codec reads the model it is bound to (PacTrain reads its pruning masks): a hook state that
+    # knows no model (``gcomp.comm_hook`` without ``model=``) warns, since the codec then sends dense.
+    reads_model: ClassVar[bool] = False
 
     def bind(self, model: torch.nn.Module | None, group: dist.ProcessGroup | None, stats: dict) -> None:
         """Called once when the hook is set up, with the DDP model's module, the process group and the hook's

@@ -1,4 +1,5 @@
-"""Selection by name: ``register``, ``create``, ``available``, ``describe`` and the ``gcomp.methods`` entry points."""
+"""Selection by name: ``register``, ``create``, ``available``, ``describe``, ``parse_spec`` and the ``gcomp.methods``
+entry points."""
 from __future__ import annotations
 
 import difflib
@@ -109,6 +110,41 @@ def available() -> list[str]:
 def create(name: str, **params) -> Method:
     """A configured ``Method``; parameters are validated here, before any training starts."""
     return _spec(name).create(**params)
+
+
+def parse_spec(text: str) -> tuple[str, dict]:
+    """Split a method spec, ``name`` or ``name:key=value,...`` (``"topk:ratio=0.05"``), into the name and its
+    parameters, each value typed by the parameter's declared type (a bool is true, false, 1 or 0).
+
+    Only the text is checked here: an unknown name raises ``UnknownMethodError`` with the closest names, an
+    unknown key or a value not of its type ``ValueError``; ``create`` validates the values themselves.
+    """
+    text = text.strip()
+    name, _, rest = text.partition(":")
+    declared = _spec(name).params
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in declared:
+            raise ValueError(f"{text!r}: expected key=value with a parameter of {name} "
+                             f"({', '.join(declared) or 'none'}); got {item!r}")
+        try:
+            params[key] = _typed(value, declared[key].type)
+        except ValueError as err:
+            raise ValueError(f"{text!r}: parameter {key!r} of {name} must be a {declared[key].type.__name__}: "
+                             f"{err}") from None
+    return name, params
+
+
+def _typed(value: str, kind: type):
+    if kind is bool:
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value.lower() in ("true", "1")
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"got {value!r}") from None
 
 
 def spec(name: str) -> MethodSpec:

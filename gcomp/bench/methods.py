@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import gcomp
-from gcomp.registry import spec as method_spec
+from gcomp.registry import parse_spec
 
 TORCH_HOOKS = ("torch:allreduce", "torch:fp16", "torch:powersgd")
 PRUNED = ("pactrain", "prunex")  # methods that fine-tune a pruned model (the PacTrain workflow)
@@ -51,38 +51,16 @@ class BenchMethod:
 
 
 def parse_method(text: str) -> BenchMethod:
-    """``name`` or ``name:key=value,...`` (values typed by the method's declared parameters)."""
+    """One of PyTorch's hooks, or ``name`` or ``name:key=value,...`` (``gcomp.registry.parse_spec``: values typed
+    by the method's declared parameters), validated by creating the method."""
     text = text.strip()
     if text in TORCH_HOOKS:
         return BenchMethod(text, text)
     if text.startswith("torch:"):
         raise ValueError(f"unknown PyTorch hook {text!r}; choose one of {', '.join(TORCH_HOOKS)}")
-    name, _, rest = text.partition(":")
-    declared = method_spec(name).params  # raises UnknownMethodError (a ValueError) with close names
-    params = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or key not in declared:
-            raise ValueError(f"{text!r}: expected key=value with a parameter of {name} "
-                             f"({', '.join(declared) or 'none'}); got {item!r}")
-        try:
-            params[key] = _typed(value, declared[key].type)
-        except ValueError as err:
-            raise ValueError(f"{text!r}: parameter {key!r} of {name} must be a {declared[key].type.__name__}: "
-                             f"{err}") from None
+    name, params = parse_spec(text)  # unknown names (with close names), keys and types
     gcomp.create(name, **params)  # validates the values now, not in a worker
     return BenchMethod(text, name, params)
-
-
-def _typed(value: str, kind):
-    if kind is bool:
-        if value.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"expected true or false, got {value!r}")
-        return value.lower() in ("true", "1")
-    try:
-        return kind(value)
-    except ValueError:
-        raise ValueError(f"got {value!r}") from None
 
 
 class TorchHook:

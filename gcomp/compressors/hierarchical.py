@@ -12,8 +12,8 @@ from gcomp.bucket import BucketInfo
 from gcomp.collectives.futures import launched, when_done
 from gcomp.core import HIERARCHICAL, Communicator, Compressor, Method, Payload, check_state
 from gcomp.memory import NoMemory
-from gcomp.params import Range
-from gcomp.registry import create, register
+from gcomp.params import Nested, Range
+from gcomp.registry import create, parse_spec, register
 from gcomp.topology import Topology
 
 
@@ -22,8 +22,8 @@ class HierarchicalCompressor(Compressor):
 
     On the wire, per bucket: a SUM all-reduce of the whole bucket on the intra-node group; on each node's
     leader, the inner method's payload across the leaders' group (counted in ``bytes_sent`` and, apart, in
-    ``inter_bytes``); then a broadcast of the result from the leader on the intra-node group. Followers
-    send nothing across nodes.
+    ``inter_bytes``; ``inter_bytes_dense`` counts what a dense all-reduce of the bucket would have sent there);
+    then a broadcast of the result from the leader on the intra-node group. Followers send nothing across nodes.
 
     ``inner`` (the method run between leaders), ``intra`` (this rank's node group) and ``inter`` (the leaders'
     group, None on a follower) are what ``HierarchicalCommunicator`` reads; ``bind`` sets the groups.
@@ -31,10 +31,12 @@ class HierarchicalCompressor(Compressor):
 
     collective = HIERARCHICAL
     decodes_alone = False  # the inner method sees node sums, not each rank's payload
+    label = "hierarchical"  # the method's name in messages
 
     def __init__(self, inner: Method, ranks_per_node: int):
         self.inner, self.ranks_per_node = inner, ranks_per_node
         self.stateful = inner.stateful
+        self.reads_model = inner.compressor.reads_model
         self.lossless = inner.compressor.lossless
         self.stat_keys = tuple(k for k in inner.stat_keys if k not in HierarchicalCommunicator.stat_keys)
         self.intra: dist.ProcessGroup | None = None
@@ -45,9 +47,9 @@ class HierarchicalCompressor(Compressor):
         topology = (Topology.regular(world, self.ranks_per_node) if self.ranks_per_node
                     else Topology.discover(group))
         if len(topology.nodes) == 1:
-            warnings.warn(f"hierarchical: all {world} ranks are on one node, so the inner method runs on a "
+            warnings.warn(f"{self.label}: all {world} ranks are on one node, so the inner method runs on a "
                           "one-rank group of leaders and compresses nothing; set ranks_per_node to split them, or "
-                          "install the inner method itself", UserWarning, stacklevel=3)
+                          f"install the inner method ({self.inner.name}) itself", UserWarning, stacklevel=3)
         self.intra, self.inter = topology.groups(group)
         if self.inter is not None:
             self.inner.compressor.bind(model, self.inter, stats)
@@ -87,10 +89,14 @@ class HierarchicalCommunicator(Communicator):
     """Intra-node SUM (waited: the leader compresses the node's sum), the inner method on the leaders through
     ``Method.reduce``, the hook's own pipeline (waited: the broadcast sends its result; its encode and decode
     time count in ``encode_s`` and ``decode_s``), then an asynchronous intra-node broadcast, whose future is
-    returned. Needs the hook's ``stats``."""
+    returned. Needs the hook's ``stats``.
+
+    On leaders only, ``inter_bytes`` counts what the inner method sends between nodes and ``inter_bytes_dense``
+    what a dense all-reduce of the same buckets, in their own dtype, would have sent: their quotient is the
+    inter-node compression ratio."""
 
     collective = HIERARCHICAL
-    stat_keys = ("inter_bytes",)
+    stat_keys = ("inter_bytes", "inter_bytes_dense")
 
     def exchange(self, payload: Payload, compressor: HierarchicalCompressor, group: dist.ProcessGroup | None,
                  stats: dict | None = None) -> torch.futures.Future:
@@ -102,22 +108,25 @@ class HierarchicalCommunicator(Communicator):
             before = stats["bytes_sent"]
             buffer.copy_(compressor.inner.reduce(buffer, bucket, compressor.inter, stats).wait())
             stats["inter_bytes"] += stats["bytes_sent"] - before
+            stats["inter_bytes_dense"] += buffer.numel() * buffer.element_size()
         source = dist.get_global_rank(compressor.intra, 0)
         work = dist.broadcast(buffer, src=source, group=compressor.intra, async_op=True)
         return when_done(launched(work), [buffer])
 
 
 @register("hierarchical", paper="leader-follower reduction as in PruneX (Olama et al., arXiv 2512.14628)")
-def hierarchical(inner: Annotated[str, None, "method run between the nodes' leaders"] = "identity",
-                 ranks_per_node: Annotated[int, Range(0, None), "ranks per node; 0: from torchrun or host names"] = 0
-                 ) -> Method:
-    """Dense SUM inside each node, the ``inner`` method (by name, its defaults) between node leaders only, then
-    a broadcast inside each node: only leaders cross the (slow) network between nodes."""
-    if inner == "hierarchical":
-        raise ValueError("hierarchical: parameter 'inner' cannot be 'hierarchical' itself")
+def hierarchical(
+    inner: Annotated[str, Nested(), "method run between the nodes' leaders (not a hierarchical one)"] = "identity",
+    ranks_per_node: Annotated[int, Range(0, None), "ranks per node; 0: from torchrun or host names"] = 0,
+) -> Method:
+    """Dense SUM inside each node, the ``inner`` method (``"topk:ratio=0.05"``, or a ``Method`` from
+    ``gcomp.create``) between node leaders only, then a broadcast inside each node: only leaders cross the
+    (slow) network between nodes."""
     try:
-        method = create(inner)
+        name, params = parse_spec(inner)
+        method = create(name, **params)
     except ValueError as err:
-        raise ValueError(f"hierarchical: parameter 'inner' must name a registered method; got {inner!r} ({err})"
-                         ) from err
+        raise ValueError(f"hierarchical: parameter 'inner': {err}") from None
+    if method.communicator.collective == HIERARCHICAL:
+        raise ValueError(f"hierarchical: parameter 'inner' cannot be a hierarchical method itself; got {inner!r}")
     return Method(HierarchicalCompressor(method, ranks_per_node), NoMemory(), HierarchicalCommunicator())

@@ -48,6 +48,7 @@ class PacTrainCompressor(ChainedCompressor):
 
     collective = ALLREDUCE
     stateful = True
+    reads_model = True  # the pruning masks
     stat_keys = ("packed_buckets", "freezes", "unfreezes", "mask_mismatches")
 
     def __init__(self, stable_steps: int = 5, dense_above: float = 0.9, ternary: bool = False,
@@ -235,11 +236,15 @@ def pactrain(
                                                 "many steps (edits through .data; 0: never)"] = 10,
 ) -> Method:
     """PacTrain: only the entries the pruning masks keep are all-reduced, packed densely, once stable."""
-    if not ternary:
-        idle = [name for name, on in (("clip", clip > 0), ("error_feedback", error_feedback)) if on]
-        if idle:
-            warnings.warn(f"pactrain: parameter {' and '.join(map(repr, idle))} has no effect without ternary=True",
-                          UserWarning, stacklevel=3)
+    warn_unused_ternary_options("pactrain", ternary, clip=clip > 0, error_feedback=error_feedback)
     return Method(PacTrainCompressor(stable_steps, dense_above, ternary, clip, error_feedback, seed,
                                      check_every=check_every), NoMemory(),
                   ChainedAllreduceCommunicator())
+
+
+def warn_unused_ternary_options(method: str, ternary: bool, **set_options: bool) -> None:
+    """Warn that the ternary path's options set (``set_options[name]`` true) do nothing without ``ternary``."""
+    idle = [name for name, on in set_options.items() if on]
+    if idle and not ternary:
+        warnings.warn(f"{method}: parameter {' and '.join(map(repr, idle))} has no effect without ternary=True",
+                      UserWarning, stacklevel=4)

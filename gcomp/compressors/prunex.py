@@ -6,7 +6,7 @@ from typing import Annotated
 
 from gcomp.collectives.chained import ChainedAllreduceCommunicator
 from gcomp.compressors.hierarchical import HierarchicalCommunicator, HierarchicalCompressor
-from gcomp.compressors.pactrain import PacTrainCompressor
+from gcomp.compressors.pactrain import PacTrainCompressor, warn_unused_ternary_options
 from gcomp.core import Method
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -24,6 +24,8 @@ class PruneXCompressor(HierarchicalCompressor):
     changes (with ``ternary``: pactrain's scales, then 2-bit-or-wider lanes); then a broadcast inside the node.
     """
 
+    label = "prunex"
+
 
 @register("prunex", paper="Olama, Lundell, El Hajj, Lilius, Bjorkqvist 2025 (PruneX, arXiv 2512.14628)")
 def prunex(
@@ -33,14 +35,20 @@ def prunex(
     dense_above: Annotated[float, Range(0, 1), "send a bucket uncompacted when it keeps more than this"] = 1.0,
     check_every: Annotated[int, Range(0, None), "compare a compacted bucket's masks with those it froze on every "
                                                 "this many steps (edits through .data; 0: never)"] = 10,
+    clip: Annotated[float, Range(0, None), "ternary: clip at clip * std per parameter (TernGrad: 2.5; 0 off)"] = 0.0,
+    error_feedback: Annotated[bool, "ternary: add what ternarising lost to the next step (on each leader)"] = False,
+    seed: Annotated[int, Range(0, None), "seed of the ternary draws (each leader draws its own stream from it)"] = 0,
 ) -> Method:
     """Dense SUM inside each node; between node leaders only, a dense all-reduce of the kept filters and
     channels, copied out of the bucket as blocks (no index on the wire or per entry); broadcast in each node.
 
     The default ``dense_above=1.0`` compacts every bucket, the unpruned ones too (a copy, plus one entry
     that flags mask changes): so masks installed after ``gcomp.install`` (ADMM's hard prune, mid-training)
-    are noticed on every leader alike, and the compacted layout is rebuilt."""
-    packer = PacTrainCompressor(stable_steps, dense_above, ternary, granularity=GROUPS, check_every=check_every)
+    are noticed on every leader alike, and the compacted layout is rebuilt. ``clip``, ``error_feedback`` and
+    ``seed`` are pactrain's ternary options, for ``ternary=True``."""
+    warn_unused_ternary_options("prunex", ternary, clip=clip > 0, error_feedback=error_feedback, seed=seed != 0)
+    packer = PacTrainCompressor(stable_steps, dense_above, ternary, clip, error_feedback, seed, granularity=GROUPS,
+                                check_every=check_every)
     packer.tracker.label = "prunex"
     inner = Method(packer, NoMemory(), ChainedAllreduceCommunicator(), name="pactrain")
     return Method(PruneXCompressor(inner, ranks_per_node), NoMemory(), HierarchicalCommunicator())

@@ -1,8 +1,10 @@
 """``prunex``: 4 ranks as 2 nodes x 2 and 6 ranks as 3 x 2 (``ranks_per_node``). On a filter-pruned CNN the
 result is the masked dense mean; once the layout is compacted, leaders send exactly the kept entries (plus one
-flag entry per bucket) across nodes, at most (1 - structured sparsity) of dense, and followers send nothing
-across nodes. ADMM pruning under DDP with prunex installed from the start: the hard prune mid-training is
-noticed, every rank holds the same masks, and the compacted layout takes over."""
+flag entry per bucket) across nodes, at most (1 - structured sparsity) of dense (``inter_bytes_dense``), and
+followers send nothing across nodes. ADMM pruning under DDP with prunex installed from the start: the hard prune
+mid-training is noticed, every rank holds the same masks, and the compacted layout takes over. pactrain's ternary
+options (``clip``, ``error_feedback``, ``seed``) reach the inter-node stage, validated, with a warning where they
+do nothing; one node is warned about."""
 from __future__ import annotations
 
 import warnings
@@ -13,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gcomp
+from gcomp.compressors.quantise import stream_seed
 from gcomp.pruning import StructuredADMM, mask_of
 from gcomp.packing.support import bucket_support
 from tests.contracts_jobs import FakeBucket
@@ -59,10 +62,11 @@ def reduce_job(steps: int = 5) -> dict:
     for step in range(steps):
         grads = [torch.randn(support.numel(), generator=torch.Generator().manual_seed(100 * step + r)) * support
                  for r in range(world)]
-        before = state.stats["inter_bytes"]
+        before, before_dense = state.stats["inter_bytes"], state.stats["inter_bytes_dense"]
         result = state.reduce(FakeBucket(grads[rank].clone(), 0, True, params)).wait()
         out.append({"result": result.clone(), "expected": torch.stack(grads).sum(0) / world,
-                    "inter": state.stats["inter_bytes"] - before, "packed": state.stats["packed_buckets"]})
+                    "inter": state.stats["inter_bytes"] - before, "packed": state.stats["packed_buckets"],
+                    "inter_dense": state.stats["inter_bytes_dense"] - before_dense})
     return {"steps": out, "kept": int(support.sum()), "numel": support.numel()}
 
 
@@ -76,6 +80,8 @@ def test_prunex_is_the_masked_dense_mean_and_sends_only_kept_filters_across_node
         for step, s in enumerate(r["steps"]):
             torch.testing.assert_close(s["result"], s["expected"], rtol=1e-6, atol=1e-6)
             assert torch.equal(s["result"], ranks[0]["steps"][step]["result"]), (rank, step)
+            # what a dense all-reduce of the fp32 bucket between leaders would have sent
+            assert s["inter_dense"] == (numel * 4 if leader else 0), (rank, step, s)
             if not leader:
                 assert s["inter"] == 0
             elif step < 2:  # tracking: the bucket and the tracker's 5 int64 flags
@@ -177,3 +183,51 @@ def test_admm_hard_prune_mid_training_is_compacted_with_the_same_masks_on_every_
     sparsity = 1 - ranks[0]["kept"] / ranks[0]["total"]
     assert sparsity > 0.4, sparsity  # the 60% of both convolutions' filters is most of this model
     assert last["inter_bytes"] - before["inter_bytes"] <= (1 - sparsity) * ranks[0]["total"] * 4 + 4 * buckets
+
+
+# --- pactrain's ternary options, and one node --------------------------------------------------------------------
+
+def test_ternary_options_reach_the_inter_node_stage():
+    method = gcomp.create("prunex", ternary=True, clip=2.5, error_feedback=True, seed=3)
+    packer = method.compressor.inner.compressor
+    assert (packer.ternary, packer.clip, packer.error_feedback, packer.seed) == (True, 2.5, True, 3)
+    assert method.params["clip"] == 2.5 and method.params["seed"] == 3 and method.params["error_feedback"]
+    # the draws come from the seed given: each leader's stream as pactrain seeds it
+    assert packer.random("cpu").initial_seed() == stream_seed(3, "pactrain", 0) != stream_seed(0, "pactrain", 0)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"clip": -1.0}, r"prunex: parameter 'clip' must be in \[0, inf\); got -1.0"),
+    ({"clip": "2.5"}, "prunex: parameter 'clip' must be a float"),
+    ({"error_feedback": "yes"}, "prunex: parameter 'error_feedback' must be a bool; got 'yes'"),
+    ({"seed": -1}, r"prunex: parameter 'seed' must be in \[0, inf\); got -1"),
+    ({"seed": 1.5}, "prunex: parameter 'seed' must be an int"),
+])
+def test_ternary_options_are_validated_at_create(params, message):
+    with pytest.raises(ValueError, match=message):
+        gcomp.create("prunex", ternary=True, **params)
+
+
+@pytest.mark.parametrize("params, idle", [({"clip": 2.5}, "'clip'"), ({"error_feedback": True}, "'error_feedback'"),
+                                          ({"seed": 3}, "'seed'")])
+def test_ternary_options_warn_once_without_ternary(params, idle):
+    with pytest.warns(UserWarning, match=f"prunex: parameter {idle} has no effect without ternary=True") as caught:
+        gcomp.create("prunex", **params)
+    assert len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gcomp.create("prunex", ternary=True, **params)
+
+
+def one_node_job() -> list[str]:
+    """prunex installed with the nodes found from host names: every rank of this test is on one host."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gcomp.install(ddp(structured_cnn()), "prunex")
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_one_node_is_warned_about():
+    for rank, said in enumerate(run_ranks(4, one_node_job)):
+        assert any(m.startswith("prunex: all 4 ranks are on one node") and "ranks_per_node" in m
+                   and "(pactrain)" in m for m in said), (rank, said)
