@@ -4,7 +4,7 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-EXTRAS := test,examples,bench
+EXTRAS := test,examples,bench,lightning,accelerate
 
 .PHONY: install run test clean
 

@@ -2,11 +2,12 @@
 
     import gcomp
     state = gcomp.install(ddp_model, "topk", ratio=0.01)   # one hook, any registered method
+    state, hook = gcomp.comm_hook("topk", ratio=0.01)       # or register it yourself (Lightning's DDPStrategy)
 """
 from gcomp.bucket import BucketInfo
 from gcomp.core import (ALLGATHER, ALLREDUCE, HIERARCHICAL, POINT_TO_POINT, Communicator, Compressor, Memory, Method,
                         Payload)
-from gcomp.hook import HookState, install
+from gcomp.hook import HookState, comm_hook, install
 from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.params import OneOf, Range
 from gcomp.registry import UnknownMethodError, available, create, describe, register, spec
@@ -21,4 +22,4 @@ __version__ = "0.1.0"
 
 __all__ = ["ALLGATHER", "ALLREDUCE", "BucketInfo", "Communicator", "Compressor", "HIERARCHICAL", "HookState", "Memory",
            "Method", "NoMemory", "OneOf", "POINT_TO_POINT", "Payload", "Range", "ResidualMemory", "UnknownMethodError",
-           "available", "create", "describe", "install", "register", "spec"]
+           "available", "comm_hook", "create", "describe", "install", "register", "spec"]

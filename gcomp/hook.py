@@ -3,7 +3,9 @@
 No ``from __future__ import annotations`` here: DDP compares the hook's return annotation with
 ``torch.futures.Future[torch.Tensor]`` itself, and a string would not match.
 """
-from typing import Union
+import logging
+import warnings
+from typing import Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ from gcomp.collectives.allreduce import all_reduce_all
 from gcomp.core import Method, Payload
 from gcomp.registry import create
 
+_log = logging.getLogger("gcomp")
 STATE_FORMAT = checkpoint.STATE_FORMAT
 _STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "encode_s", "decode_s",
               "warmup_steps", "dense_buckets", "layouts")
@@ -24,12 +27,25 @@ _STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "encode_s", "deco
 class HookState:
     """Everything the hook keeps between calls: the method, per-bucket layouts, statistics.
 
+    Made by ``gcomp.comm_hook`` (with no model needed) or ``gcomp.install``. It binds itself to what it
+    reduces in two parts:
+
+    - **the model** (``bind(model)``, done by ``install``, or by passing ``model=``): parameters are known by
+      their names in ``model.named_parameters()``, so checkpoints are keyed by name, pruning masks are found
+      (``pactrain``, ``prunex``), and the warm-up follows a DDP model's own options. Without one, a parameter is
+      known by its place in the first step's buckets (``"bucket0.param3"``): the same in every run of the same
+      model and DDP options, so checkpoints still resume (in a run bound the same way); masks are not seen, so
+      ``pactrain`` sends dense.
+    - **the process group**, at the first bucket (or the first ``state_dict``/``load_state_dict``): by
+      then the process group exists, even where the state was made before it (Lightning's ``DDPStrategy``).
+
     ``stats`` (a plain dict, summed over steps and buckets, this rank only):
 
     - ``steps``: optimizer steps seen (DDP iterations whose last bucket went through the hook);
     - ``buckets``: bucket reductions;
     - ``bytes_sent``: payload bytes this rank handed to collectives, all rounds, all buckets;
-    - ``bytes_dense``: bytes a plain fp32 all-reduce of the same buckets would have handed over;
+    - ``bytes_dense``: bytes a plain all-reduce of the same buckets, in their own dtype, would have handed over
+      (so ``bf16`` on bf16 parameters saves nothing: 1.00x);
     - ``encode_s`` / ``decode_s``: host seconds spent compressing (with error feedback) and decoding;
     - ``warmup_steps``: steps sent as a plain all-reduce because DDP's buckets were not final yet
       (stateful methods only; DDP rebuilds its buckets after step 0, after step 1 with ``static_graph``);
@@ -37,22 +53,77 @@ class HookState:
     - ``layouts``: distinct bucket layouts seen (a rebuild shows up here).
 
     A method may add counters of its own (its compressor's and communicator's ``stat_keys``: ``pactrain``
-    counts its mask tracker's switches, ``threshold`` its padding).
+    counts its mask tracker's switches, ``threshold`` its padding, ``hierarchical`` its inter-node bytes).
     """
 
-    def __init__(self, method: Method, ddp: DistributedDataParallel, group: dist.ProcessGroup | None):
+    def __init__(self, method: Method, model: torch.nn.Module | None = None,
+                 process_group: dist.ProcessGroup | None = None):
         self.method = method
-        self.group = group
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self._names = {id(p): n for n, p in ddp.module.named_parameters()}
-        self._numels = {n: p.numel() for n, p in ddp.module.named_parameters()}
+        self.group = process_group
+        self.model: torch.nn.Module | None = None  # the module whose parameter names key the state
+        self._names: dict[int, str] = {}
+        self._numels: dict[str, int] = {}
         self._layouts: dict[tuple, BucketInfo] = {}
+        self._ready = False  # bound to the process group
+        self._named_by_place = False
+        self._stepped = False  # a whole step went through this state in this process
+        self._unchecked: dict | None = None  # a loaded part whose parameters are checked once all are known
+        self.world_size = self.rank = None
         self.iteration = 0  # steps taken, a resumed checkpoint's included
-        self.warmup = self._warmup_steps(ddp) if method.stateful else 0
+        self.warmup = 1 if method.stateful else 0  # DDP's default: buckets rebuilt after the first step
         self._stat_keys = _STAT_KEYS + method.stat_keys
         self.stats: dict[str, Union[int, float]] = {k: 0.0 if k.endswith("_s") else 0 for k in self._stat_keys}
-        method.compressor.bind(ddp.module, group, self.stats)
         self._settle_task = -1  # the backward pass (autograd graph task) whose end settles the collectives
+        if model is not None:
+            self.bind(model)
+            if dist.is_initialized():
+                self._ensure_ready()  # so the codec's warnings (no masks, one node...) come at install
+
+    def bind(self, model: torch.nn.Module) -> "HookState":
+        """Know the parameters by their names in ``model`` (a DDP model, or the module it wraps, or any module
+        that holds the same parameters, such as a LightningModule); a DDP model also sets the warm-up from its
+        options. Call it before the first step; returns the state."""
+        if self._ready:
+            raise RuntimeError("gcomp: bind the hook state to its model before the first step (the state is "
+                               "already reducing buckets, known by their place)")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"gcomp: bind takes a torch.nn.Module; got {type(model).__name__}")
+        if isinstance(model, DistributedDataParallel):
+            if self.method.stateful:
+                self.warmup = self._warmup_steps(model)
+            model = model.module
+        self.model = model
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self._numels = {n: p.numel() for n, p in model.named_parameters()}
+        return self
+
+    def _ensure_ready(self) -> None:
+        """Bind to the process group (it exists by the first bucket) and let the codec bind."""
+        if self._ready:
+            return
+        if not dist.is_initialized():
+            raise RuntimeError("gcomp: the hook state needs torch.distributed's process group, which is not "
+                               "initialized yet (init_process_group first)")
+        self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if self.model is None and self.method.compressor.reads_model:
+            warnings.warn(f"{self.method.name}: the hook state knows no model, so the method cannot see its "
+                          "pruning masks and sends every bucket dense; pass model= to gcomp.comm_hook, or call "
+                          "state.bind(model) before the first step", UserWarning, stacklevel=4)
+        self.method.compressor.bind(self.model, self.group, self.stats)
+        self._named_by_place = self.model is None
+        self._ready = True
+
+    def _name_by_place(self, bucket) -> None:
+        """Without a model, a parameter is named by where it is first seen: bucket and position."""
+        fresh = [(i, p) for i, p in enumerate(bucket.parameters()) if id(p) not in self._names]
+        if fresh and self._stepped:
+            raise RuntimeError(f"gcomp: bucket {bucket.index()} holds {len(fresh)} parameter(s) this hook state "
+                               "has not seen in its first step: one state serves one DDP model (make a "
+                               "second with gcomp.comm_hook)")
+        for i, p in fresh:
+            name = f"bucket{bucket.index()}.param{i}"
+            self._names[id(p)] = name
+            self._numels[name] = p.numel()
 
     @staticmethod
     def _warmup_steps(ddp: DistributedDataParallel) -> int:
@@ -64,6 +135,15 @@ class HookState:
     def compression_ratio(self) -> float:
         """``bytes_dense / bytes_sent`` so far (1.0 before the first step)."""
         return self.stats["bytes_dense"] / self.stats["bytes_sent"] if self.stats["bytes_sent"] else 1.0
+
+    @property
+    def inter_node_ratio(self) -> float | None:
+        """For ``hierarchical`` and ``prunex`` on a node leader: ``inter_bytes_dense / inter_bytes``, the
+        compression of what crosses nodes alone (1.0 before the first step); None for other methods."""
+        if "inter_bytes_dense" not in self.stats:
+            return None
+        sent = self.stats["inter_bytes"]
+        return self.stats["inter_bytes_dense"] / sent if sent else 1.0
 
     def bucket_info(self, bucket) -> BucketInfo:
         buffer = bucket.buffer()
@@ -79,6 +159,10 @@ class HookState:
 
     def reduce(self, bucket) -> torch.futures.Future:
         """Average one bucket over the process group; returns a future of the mean gradient."""
+        if not self._ready:
+            self._ensure_ready()
+        if self._named_by_place:
+            self._name_by_place(bucket)
         task = torch._C._current_graph_task_id()  # -1 outside a backward pass (a hook called by hand)
         if task != self._settle_task and task != -1:
             # the main thread goes on only once the backend's threads are done with this step's collectives
@@ -89,9 +173,13 @@ class HookState:
         buffer.mul_(1.0 / self.world_size)  # the same scaling DDP's own reducer applies
         stats = self.stats
         stats["buckets"] += 1
-        stats["bytes_dense"] += buffer.numel() * 4
+        stats["bytes_dense"] += buffer.numel() * buffer.element_size()
         warming_up = self.iteration < self.warmup
         if bucket.is_last():
+            if self._unchecked is not None:  # every parameter has a name now
+                part, self._unchecked = self._unchecked, None
+                checkpoint.check_parameter_tensors(self.method, part, self._numels)
+            self._stepped = True
             self.iteration += 1
             stats["steps"] += 1
             stats["warmup_steps"] += int(warming_up)
@@ -105,6 +193,7 @@ class HookState:
     def state_dict(self) -> dict:
         """This rank's state, filed under its rank (``gcomp.checkpoint``): tensors, bytes and plain values only,
         so ``torch.load(path, weights_only=True)`` reads it back. ``gather_state_dict`` holds every rank's."""
+        self._ensure_ready()
         part = {"stats": dict(self.stats), "memory": self.method.memory.state_dict(),
                 "compressor": self.method.compressor.state_dict()}
         return {"format": checkpoint.STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
@@ -133,13 +222,20 @@ class HookState:
         """Resume from ``state_dict()`` or ``gather_state_dict()``: this rank's own part, checked before anything
         is loaded (a bad state is a ValueError naming the key). Another rank's part is refused unless the
         method's state is the same on every rank; a checkpoint of another world size needs every rank's part,
-        and a method that can move its state (residuals are summed, so their total is kept)."""
+        and a method that can move its state (residuals are summed, so their total is kept).
+
+        A state without a model, loaded before its first step, knows its parameters' names only at the end of
+        that step: the per-parameter tensors are checked then."""
+        self._ensure_ready()
         if isinstance(state, dict) and state.get("format") == checkpoint.LEGACY_FORMAT:
             state = checkpoint.from_legacy(state, self.rank, self.world_size)
         checkpoint.check_header(state, self.method)
         part = checkpoint.own_part(state, self.method, self.rank, self.world_size)
         checkpoint.check_stats(part["stats"])
-        checkpoint.check_parameter_tensors(self.method, part, self._numels)
+        if self._named_by_place and not self._stepped:
+            self._unchecked = part
+        else:
+            checkpoint.check_parameter_tensors(self.method, part, self._numels)
         self.method.memory.load_state_dict(part["memory"])
         self.method.compressor.load_state_dict(part["compressor"])
         # Counting on from the checkpoint's step means a resumed run does not warm up again: residuals are
@@ -153,38 +249,71 @@ def gcomp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
     return state.reduce(bucket)
 
 
+def make_method(name_or_method: Union[str, Method], params: dict) -> Method:
+    """A registered name (``params`` go to ``gcomp.create``, validated there) or a ``Method`` built by hand."""
+    if isinstance(name_or_method, str):
+        return create(name_or_method, **params)
+    if isinstance(name_or_method, Method):
+        if params:
+            raise ValueError(f"parameters {sorted(params)} were given with an already created Method; "
+                             "pass them to gcomp.create instead")
+        return name_or_method
+    raise TypeError(f"name_or_method must be a method name or a gcomp.Method; got {type(name_or_method).__name__}")
+
+
+def comm_hook(name_or_method: Union[str, Method], process_group: dist.ProcessGroup | None = None,
+              model: torch.nn.Module | None = None, **params) -> tuple[HookState, Callable]:
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``, or for a trainer that registers the
+    hook itself (Lightning: ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)``).
+
+    Needs no model and no process group yet: the state binds itself to the process group at the first bucket
+    (``process_group``, by default the default group: it must be the DDP model's). With ``model`` (or
+    ``state.bind(model)`` before the first step) parameters are known by name: checkpoints keyed by name,
+    pruning masks seen; without, by their place in the first step's buckets (``HookState`` says what each
+    gives). One state serves one DDP model.
+    """
+    method = make_method(name_or_method, params)
+    return HookState(method, model, process_group), gcomp_hook
+
+
 def install(ddp_model: DistributedDataParallel, name_or_method: Union[str, Method],
-            process_group: dist.ProcessGroup | None = None, **params) -> HookState:
+            process_group: dist.ProcessGroup | None = None, *, if_distributed: bool = False,
+            **params) -> HookState | None:
     """Register gcomp's communication hook on a DDP model and return its state.
 
     ``name_or_method`` is a registered name (``params`` go to ``gcomp.create``) or a ``Method`` built by hand.
-    Collectives run on ``process_group``, by default the DDP model's own.
+    Collectives run on ``process_group``, by default the DDP model's own. A ``torch.compile``d DDP model is
+    unwrapped: the hook goes on the DDP model inside.
+
+    ``if_distributed=True`` is for scripts that also run on one process (``accelerate launch --cpu``, a
+    debugging run), where the model is not wrapped in DDP: a module that is not DDP, with no process group or
+    a group of one, is left as it is with one info line (logger ``gcomp``), and None is returned. By default,
+    or with more than one process, a model that is not DDP is a ``TypeError``.
     """
     inner = getattr(ddp_model, "_orig_mod", None)  # torch.compile's OptimizedModule wraps the DDP model
     if isinstance(inner, DistributedDataParallel):
         ddp_model = inner  # the hook lives on DDP's reducer, which the compiled module runs as it is
     if not isinstance(ddp_model, DistributedDataParallel):
+        alone = not dist.is_initialized() or dist.get_world_size() == 1
+        if if_distributed and alone and isinstance(ddp_model, torch.nn.Module):
+            make_method(name_or_method, params)  # a bad name or parameter is an error on one process too
+            _log.info("gcomp.install: one process and no DistributedDataParallel model (%s): nothing to "
+                      "compress, no hook installed", type(ddp_model).__name__)
+            return None
         raise TypeError(f"gcomp.install needs a torch.nn.parallel.DistributedDataParallel model; got "
-                        f"{type(ddp_model).__name__}. Wrap it first: DistributedDataParallel(model)")
+                        f"{type(ddp_model).__name__}. Wrap it first: DistributedDataParallel(model)"
+                        + ("" if if_distributed or not alone else
+                           "; on one process, install(..., if_distributed=True) skips it instead"))
     if getattr(ddp_model, "_gcomp_state", None) is not None:
         raise RuntimeError(f"a gcomp hook ({ddp_model._gcomp_state.method.name}) is already installed on this "
                            "model; DDP takes one communication hook per model: build a new DDP model to change it")
-    if isinstance(name_or_method, str):
-        method = create(name_or_method, **params)
-    elif isinstance(name_or_method, Method):
-        if params:
-            raise ValueError(f"parameters {sorted(params)} were given with an already created Method; "
-                             "pass them to gcomp.create instead")
-        method = name_or_method
-    else:
-        raise TypeError(f"name_or_method must be a method name or a gcomp.Method; got {type(name_or_method).__name__}")
     if process_group is None:
         process_group = ddp_model.process_group
     else:
         _check_same_ranks(process_group, ddp_model.process_group)
-    state = HookState(method, ddp_model, process_group)
+    state, hook = comm_hook(name_or_method, process_group, model=ddp_model, **params)
     try:
-        ddp_model.register_comm_hook(state, gcomp_hook)
+        ddp_model.register_comm_hook(state, hook)
     except RuntimeError as err:
         raise RuntimeError("this DDP model already has a communication hook (DDP takes one per model, and its "
                            f"mixed_precision option registers its own): {err}") from err

@@ -1,0 +1,96 @@
+"""gcomp in Lightning: a callback that installs the hook on the strategy's DDP model.
+
+    from gcomp.integrations.lightning import GcompCallback
+    trainer = L.Trainer(strategy="ddp", devices=2, callbacks=[GcompCallback("topk", ratio=0.01)])
+
+Why a callback and not a strategy: ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`` registers the hook on
+CUDA only (on CPU it skips it without a word), and it saves no hook state in checkpoints. A callback works
+with whatever DDP strategy a user already configured, on every accelerator, and takes part in checkpoints.
+Where ``DDPStrategy`` does register hooks, ``gcomp.comm_hook`` gives what it takes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from gcomp.hook import HookState, comm_hook, gcomp_hook, make_method
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError as err:  # pragma: no cover - the message is the point
+    raise ImportError("gcomp.integrations.lightning needs Lightning: pip install 'gcomp[lightning]'") from err
+
+_log = logging.getLogger("gcomp")
+
+
+class GcompCallback(Callback):
+    """Install a gcomp method on the strategy's DDP model when fitting starts, on every accelerator.
+
+    - ``callback.state`` is the ``HookState`` (None before ``fit``, and on a run of one process, where there is
+      no DDP model and nothing to compress: one info line says so);
+    - checkpoints carry every rank's hook state (gathered to rank 0, which writes the file); resuming hands
+      each rank its own part;
+    - ``log_every_n_steps`` of the trainer: ``gcomp_ratio`` (bytes a dense all-reduce would send / bytes sent,
+      so far) and ``gcomp_bytes_per_step`` (bytes this rank sent per step since the last log) through the
+      LightningModule's ``log``.
+
+    Parameters are validated when the callback is made.
+    """
+
+    def __init__(self, name_or_method, **params):
+        self._method_args = (name_or_method, params)
+        make_method(name_or_method, dict(params))  # a bad name or parameter fails here, before fitting
+        self.state: HookState | None = None
+        self._logged = (0, 0)  # (steps, bytes_sent) at the last log
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        if trainer.world_size <= 1:
+            self.state = None
+            _log.info("gcomp: one process and no DistributedDataParallel model: nothing to compress, no hook")
+            return
+        name_or_method, params = self._method_args
+        # known by name through the LightningModule: the DDP model made later holds the same parameters
+        self.state, _ = comm_hook(make_method(name_or_method, dict(params)), model=pl_module)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.state is None:
+            return
+        ddp = trainer.strategy.model
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"GcompCallback needs a DDP strategy (strategy='ddp', DDPStrategy(...)); the trainer's "
+                            f"model is a {type(ddp).__name__} under {type(trainer.strategy).__name__}")
+        if getattr(ddp, "_gcomp_state", None) is not None:
+            raise RuntimeError("a gcomp hook is already installed on this DDP model")
+        if self.state.method.stateful:
+            self.state.warmup = max(self.state.warmup, HookState._warmup_steps(ddp))
+        ddp.register_comm_hook(self.state, gcomp_hook)
+        ddp._gcomp_state = self.state
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.state is None or (trainer.global_step % max(trainer.log_every_n_steps, 1)):
+            return
+        stats = self.state.stats
+        steps, sent = stats["steps"] - self._logged[0], stats["bytes_sent"] - self._logged[1]
+        pl_module.log("gcomp_ratio", float(self.state.compression_ratio), on_step=True, on_epoch=False)
+        if steps:
+            pl_module.log("gcomp_bytes_per_step", float(sent / steps), on_step=True, on_epoch=False)
+        self._logged = (stats["steps"], stats["bytes_sent"])
+
+    def state_dict(self) -> dict[str, Any]:
+        # every rank calls this when Lightning saves; rank 0 writes the file, so it receives every rank's part
+        if self.state is None:
+            return {}
+        return {"gcomp": self.state.gather_state_dict(dst=0)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("gcomp")
+        if saved is None:
+            return
+        if self.state is None:
+            raise RuntimeError("GcompCallback: the checkpoint holds a gcomp hook state but this run installs no hook "
+                               "(one process?)")
+        self.state.load_state_dict(saved)

@@ -1,0 +1,74 @@
+"""examples/lightning_train.py on 2 CPU processes: the hook ran (fewer bytes than dense), the replicas agree,
+and resuming from the first epoch's checkpoint ends bit-identical to the uninterrupted run (topk: its residuals
+travel in Lightning's checkpoint, every rank's own). And Lightning's own ``DDPStrategy(ddp_comm_hook=...,
+ddp_comm_state=...)`` registration takes ``gcomp.comm_hook``'s pair."""
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from tests.distributed import run_ranks  # noqa: E402
+from tests.models import ddp, flat_params, mlp, train  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_train.py"
+
+
+def _assert_replicas_identical(folder: Path) -> None:
+    ranks = [torch.load(folder / f"final_rank{r}.pt", weights_only=True) for r in range(2)]
+    assert ranks[0].keys() == ranks[1].keys()
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0]), "the replicas differ"
+
+
+def _run(folder: Path, *extra: str) -> str:
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--dir", str(folder), "--epochs", "2", *extra],
+                          capture_output=True, text=True, timeout=300, cwd=folder.parent)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_lightning_example_compresses_and_resumes_bit_identically(tmp_path):
+    whole = _run(tmp_path / "whole")
+    sent, dense, steps = map(int, re.search(r"BYTES sent=(\d+) dense=(\d+) steps=(\d+)", whole).groups())
+    assert steps > 0 and 0 < sent < dense / 4, whole[-2000:]
+    _assert_replicas_identical(tmp_path / "whole")
+    with open(tmp_path / "whole" / "logs" / "version_0" / "metrics.csv") as f:
+        logged = list(csv.DictReader(f))
+    ratios = [float(row["gcomp_ratio"]) for row in logged if row.get("gcomp_ratio")]
+    per_step = [float(row["gcomp_bytes_per_step"]) for row in logged if row.get("gcomp_bytes_per_step")]
+    assert ratios and all(r > 1 for r in ratios) and per_step and all(0 < b < dense / steps for b in per_step[1:])
+    checkpoint = torch.load(tmp_path / "whole" / "epoch=0.ckpt", weights_only=True)
+    assert sorted(checkpoint["callbacks"]["GcompCallback"]["gcomp"]["ranks"]) == ["rank0", "rank1"]
+    resumed = _run(tmp_path / "resumed", "--resume", str(tmp_path / "whole" / "epoch=0.ckpt"))
+    _assert_replicas_identical(tmp_path / "resumed")
+    a = torch.load(tmp_path / "whole" / "final_rank0.pt", weights_only=True)
+    b = torch.load(tmp_path / "resumed" / "final_rank0.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed run differs"
+
+
+def _through_lightnings_registration() -> dict:
+    """What DDPStrategy does with ddp_comm_hook/ddp_comm_state where it registers hooks (CUDA only), on CPU."""
+    import gcomp
+    from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+
+    model = ddp(mlp(0))
+    state, hook = gcomp.comm_hook("topk", ratio=0.05)
+    _register_ddp_comm_hook(model=model, ddp_comm_state=state, ddp_comm_hook=hook)
+    train(model, 3)
+    return {"stats": dict(state.stats), "params": flat_params(model)}
+
+
+def test_lightnings_own_registration_takes_comm_hooks_pair():
+    results = run_ranks(2, _through_lightnings_registration)
+    for r in results:
+        assert r["stats"]["steps"] == 3 and r["stats"]["bytes_sent"] < r["stats"]["bytes_dense"]
+    assert torch.equal(results[0]["params"], results[1]["params"])
