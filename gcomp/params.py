@@ -55,64 +55,13 @@ class OneOf:
 
 
 @dataclass(frozen=True)
-class Nested:
-    """Another registered method, as a parameter's value: a spec ``name`` or ``name:key=value,...`` (the grammar
-    of ``gcomp bench --method``: ``"topk:ratio=0.05"``) or a ``Method`` made by ``gcomp.create``.
-
-    Validating the value checks the name and the method's own parameters (their messages prefixed with this
-    parameter's) and returns its canonical spec: the name, then the parameters off their defaults in declared
-    order (``"topk:ratio=0.05"``; ``"topk"`` for the defaults). So the parameter holds plain text, which prints,
-    compares and checkpoints like any other value, and the factory creates the method from it: a ``Method``
-    given is created again from its name and parameters, with fresh state.
-    """
-
-    def __str__(self) -> str:
-        return "a method spec (name or name:key=value,...) or a Method from gcomp.create"
-
-    def canonical(self, method: str, param: str, value: Any) -> str:
-        """``value``'s canonical spec, or ``ValueError`` naming ``method`` and ``param``."""
-        from gcomp import registry  # the registry imports this module
-        from gcomp.core import Method
-
-        if isinstance(value, Method):
-            if value.name not in registry.available():
-                raise ValueError(f"{method}: parameter '{param}' takes a Method made by gcomp.create, which records "
-                                 f"its name and parameters; got one named {value.name!r}")
-            name, params = value.name, value.params
-        elif isinstance(value, str):
-            try:
-                name, params = registry.parse_spec(value)
-            except registry.UnknownMethodError as err:
-                raise ValueError(f"{method}: parameter '{param}' must name a registered method; got {value!r} "
-                                 f"({err})") from None
-            except ValueError as err:
-                raise ValueError(f"{method}: parameter '{param}': {err}") from None
-        else:
-            raise ValueError(f"{method}: parameter '{param}' must be {self}; got {value!r}")
-        declared = registry.spec(name).params
-        try:
-            values = {k: declared[k].validate(name, v) for k, v in params.items()}
-        except ValueError as err:
-            raise ValueError(f"{method}: parameter '{param}': {err}") from None
-        changed = [f"{k}={_text(values[k])}" for k in declared if k in values and values[k] != declared[k].default]
-        return f"{name}:{','.join(changed)}" if changed else name
-
-
-def _text(value: Any) -> str:
-    """A parameter's value as ``registry.parse_spec`` reads it back."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value) if isinstance(value, float) else str(value)
-
-
-@dataclass(frozen=True)
 class ParamSpec:
     """One parameter of a method: its type, default, allowed values and one line of help."""
 
     name: str
     type: type
     default: Any
-    allowed: Range | OneOf | Nested | None = None
+    allowed: Any = None  # Range, OneOf, a constraint with convert() (gcomp.registry.Nested), or None
     help: str = ""
 
     def describe(self) -> str:
@@ -121,14 +70,14 @@ class ParamSpec:
         return f"{text}  -- {self.help}" if self.help else text
 
     def validate(self, method: str, value: Any) -> Any:
-        """Return the value, converted where lossless (an int for a float; a method's canonical spec for
-        ``Nested``), or raise ``ValueError``."""
-        if isinstance(self.allowed, Nested):
+        """Return the value, converted where lossless (an int for a float; what a constraint with ``convert``
+        makes of it: ``gcomp.registry.Nested``, a method's canonical spec), or raise ``ValueError``."""
+        if hasattr(self.allowed, "convert"):
             # Left as it is, the default: the registry checks defaults as it registers a method, when the
             # method a default names may not be registered yet; the factory creates it anyway.
             if isinstance(value, str) and value == self.default:
                 return value
-            return self.allowed.canonical(method, self.name, value)
+            return self.allowed.convert(method, self.name, value)
         ok_type = {
             bool: lambda v: isinstance(v, bool),
             int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -163,7 +112,7 @@ def specs_from_signature(method: str, factory: Callable) -> dict[str, ParamSpec]
         if typing.get_origin(hint) is typing.Annotated:
             base, *extras = typing.get_args(hint)
             for extra in extras:
-                if isinstance(extra, (Range, OneOf, Nested)):
+                if isinstance(extra, (Range, OneOf)) or hasattr(extra, "convert"):
                     allowed = extra
                 elif isinstance(extra, str):
                     help_text = extra

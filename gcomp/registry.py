@@ -7,7 +7,7 @@ import inspect
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Callable
+from typing import Any, Callable
 
 from gcomp.core import Method
 from gcomp.params import ParamSpec, specs_from_signature
@@ -169,3 +169,51 @@ def describe(name: str) -> str:
     if doc:
         lines.append("  on the wire: " + doc.split("\n\n")[0].replace("\n", " "))
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Nested:
+    """Another registered method, as a parameter's value: a spec ``name`` or ``name:key=value,...`` (the grammar
+    of ``gcomp bench --method``: ``"topk:ratio=0.05"``) or a ``Method`` made by ``gcomp.create``.
+
+    Validating the value checks the name and the method's own parameters (their messages prefixed with this
+    parameter's) and returns its canonical spec: the name, then the parameters off their defaults in declared
+    order (``"topk:ratio=0.05"``; ``"topk"`` for the defaults). So the parameter holds plain text, which prints,
+    compares and checkpoints like any other value, and the factory creates the method from it: a ``Method``
+    given is created again from its name and parameters, with fresh state.
+    """
+
+    def __str__(self) -> str:
+        return "a method spec (name or name:key=value,...) or a Method from gcomp.create"
+
+    def convert(self, method: str, param: str, value: Any) -> str:
+        """``value``'s canonical spec, or ``ValueError`` naming ``method`` and ``param``."""
+        if isinstance(value, Method):
+            if value.name not in available():
+                raise ValueError(f"{method}: parameter '{param}' takes a Method made by gcomp.create, which records "
+                                 f"its name and parameters; got one named {value.name!r}")
+            name, params = value.name, value.params
+        elif isinstance(value, str):
+            try:
+                name, params = parse_spec(value)
+            except UnknownMethodError as err:
+                raise ValueError(f"{method}: parameter '{param}' must name a registered method; got {value!r} "
+                                 f"({err})") from None
+            except ValueError as err:
+                raise ValueError(f"{method}: parameter '{param}': {err}") from None
+        else:
+            raise ValueError(f"{method}: parameter '{param}' must be {self}; got {value!r}")
+        declared = spec(name).params
+        try:
+            values = {k: declared[k].validate(name, v) for k, v in params.items()}
+        except ValueError as err:
+            raise ValueError(f"{method}: parameter '{param}': {err}") from None
+        changed = [f"{k}={_text(values[k])}" for k in declared if k in values and values[k] != declared[k].default]
+        return f"{name}:{','.join(changed)}" if changed else name
+
+
+def _text(value: Any) -> str:
+    """A parameter's value as ``registry.parse_spec`` reads it back."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)

@@ -12,8 +12,8 @@ from gcomp.bucket import BucketInfo
 from gcomp.collectives.futures import launched, when_done
 from gcomp.core import HIERARCHICAL, Communicator, Compressor, Method, Payload, check_state
 from gcomp.memory import NoMemory
-from gcomp.params import Nested, Range
-from gcomp.registry import create, parse_spec, register
+from gcomp.params import Range
+from gcomp.registry import Nested, create, parse_spec, register
 from gcomp.topology import Topology
 
 
