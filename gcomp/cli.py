@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -42,18 +43,23 @@ def _bench(args) -> int:
     if args.method:
         config.methods = [m for item in args.method for m in item.split(";") if m]
     out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    load_start = os.getloadavg()[0]
     try:
         rows, network = runner.run(config, out)
     except (ValueError, FileNotFoundError) as err:
         print(f"gcomp bench: {err}", file=sys.stderr)
         return 2
+    load = {"start": load_start, "end": os.getloadavg()[0]}  # 1-minute load average of this machine
     target = report.add_derived(rows, config.target_accuracy)
-    meta = {"config": vars(config), "network": network, "target_accuracy": target}
+    meta = {"config": vars(config), "network": network, "target_accuracy": target, "load_average": load}
     paths = report.write(rows, out, meta)
     print(f"\n{config.model} on {config.dataset}, {config.workers} workers, {network}; target accuracy "
           f"{target if target is None else round(target, 4)}\n")
     print(report.markdown(rows))
     print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
+    warning = report.load_warning(rows, config.workers, load)
+    if warning:
+        print(warning, file=sys.stderr)
     return 0
 
 

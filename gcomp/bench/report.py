@@ -48,6 +48,29 @@ def _fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _reached(row: dict, value, spec: str) -> str:
+    """A time-to-target figure, or "not reached" where a target was set and the run never met it: never a
+    blank or a 0 that reads as instant."""
+    if row.get("target_accuracy") is not None and row.get("time_to_target_s") is None:
+        return "not reached"
+    return _fmt(value, spec)
+
+
+def load_warning(rows: list[dict], workers: int, bench_load: dict | None = None) -> str | None:
+    """One line naming the runs during which the machine's 1-minute load average exceeded the worker count
+    (their timings are shared with other work), or None."""
+    loads = [(r["method"], max(r["load_average"].values())) for r in rows if r.get("load_average")]
+    if bench_load:
+        loads.append(("the whole bench", max(bench_load.values())))
+    busy = [(name, load) for name, load in loads if load > workers]
+    if not busy:
+        return None
+    named = ", ".join(f"{name} ({load:.1f})" for name, load in busy)
+    return (f"gcomp bench: warning: the machine's load average exceeded the {workers} workers during {named}: "
+            "other work shared the cores, so those timings are noisy; compare ratios from one run, or rerun on a "
+            "quieter machine")
+
+
 def markdown(rows: list[dict]) -> str:
     head = ("| method | step ms | compute | encode | comm | decode | bytes/step | compression | final acc "
             "| time to target s | TTA speedup | step speedup |")
@@ -58,8 +81,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {1000 * r['compute_s_per_step']:.1f} | {1000 * r['encode_s_per_step']:.1f} "
             f"| {1000 * r['comm_s_per_step']:.1f} | {1000 * r['decode_s_per_step']:.1f} "
             f"| {r['bytes_sent_per_step']:,.0f} | {_fmt(r['compression'], '.2f')}x "
-            f"| {_fmt(r['final_accuracy'], '.4f')} | {_fmt(r['time_to_target_s'], '.2f')} "
-            f"| {_fmt(r['tta_speedup'], '.2f')} | {_fmt(r['step_speedup'], '.2f')} |")
+            f"| {_fmt(r['final_accuracy'], '.4f')} | {_reached(r, r['time_to_target_s'], '.2f')} "
+            f"| {_reached(r, r['tta_speedup'], '.2f')} | {_fmt(r['step_speedup'], '.2f')} |")
     return "\n".join(lines)
 
 
@@ -97,9 +120,14 @@ def plots(rows: list[dict], out: Path) -> dict[str, Path]:
     made["accuracy"] = _save(fig, out / "accuracy_vs_time.png", plt)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.bar(names, [r["tta_speedup"] or 0 for r in rows])
+    heights = [r["tta_speedup"] if r["tta_speedup"] is not None else float("nan") for r in rows]
+    ax.bar(names, heights)  # NaN: no bar at all, and the label below says why
+    for i, r in enumerate(rows):
+        if r["tta_speedup"] is None:
+            ax.annotate("not reached" if r.get("target_accuracy") is not None else "no target", (i, 1.0),
+                        ha="center", va="bottom", rotation=90, fontsize=7, color="firebrick")
     ax.axhline(1.0, color="grey", linestyle=":")
-    ax.set(ylabel="time-to-accuracy speedup over all-reduce", title="time to accuracy (0: target not reached)")
+    ax.set(ylabel="time-to-accuracy speedup over all-reduce", title="time to accuracy (1: all-reduce)")
     ax.tick_params(axis="x", rotation=45, labelsize=7)
     made["tta"] = _save(fig, out / "time_to_accuracy.png", plt)
 

@@ -15,6 +15,7 @@ rows to ``config["output"]``.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -176,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for text in config["methods"]:
             log(f"== {text}")
-            rows.append(run_method(parse_method(text), config, data, pretrained, log))
+            load_start = os.getloadavg()[0]
+            row = run_method(parse_method(text), config, data, pretrained, log)
+            row["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}  # 1 minute, this machine
+            rows.append(row)
         if rank == 0:
             with open(config["output"], "w") as fh:
                 json.dump(rows, fh)

@@ -53,10 +53,14 @@ def test_method_specs():
             parse_method(bad)
 
 
+TIMES = {"compute_s_per_step": 0.01, "encode_s_per_step": 0.0, "comm_s_per_step": 0.01, "decode_s_per_step": 0.0}
+
+
 def test_time_to_target_and_speedups_by_hand():
     def row(method, step_s, history):
         return {"method": method, "step_s": step_s, "bytes_sent_per_step": 100.0, "bytes_dense_per_step": 400.0,
-                "history": [{"step": s, "train_s": t, "accuracy": a} for s, t, a in history]}
+                "history": [{"step": s, "train_s": t, "accuracy": a} for s, t, a in history], **TIMES,
+                "final_accuracy": history[-1][2]}
 
     rows = [row("identity", 0.5, [(10, 5.0, 0.5), (20, 10.0, 1.0)]),
             row("pactrain", 0.25, [(10, 2.5, 0.99), (20, 5.0, 1.0)]),
@@ -67,6 +71,26 @@ def test_time_to_target_and_speedups_by_hand():
     assert [r["steps_to_target"] for r in rows] == [20, 10, None]
     assert rows[1]["tta_speedup"] == 4.0 and rows[2]["tta_speedup"] is None
     assert rows[1]["step_speedup"] == 2.0 and rows[0]["compression"] == 4.0
+    table = {line.split("|")[1].strip(): line for line in report.markdown(rows).splitlines()[2:]}
+    assert table["topk"].count("not reached") == 2, table["topk"]  # time to target and its speedup
+    assert "not reached" not in table["pactrain"] and "| 2.50 | 4.00 |" in table["pactrain"]
+
+
+def test_without_a_target_nothing_reads_as_not_reached():
+    rows = [{"method": "topk", "step_s": 0.1, "bytes_sent_per_step": 1.0, "bytes_dense_per_step": 4.0,
+             "history": [{"step": 5, "train_s": 0.5, "accuracy": 0.3}], "final_accuracy": 0.3, **TIMES}]
+    assert report.add_derived(rows, None) is None  # no all-reduce run: no target
+    assert "not reached" not in report.markdown(rows) and "| — | — |" in report.markdown(rows)
+
+
+def test_a_load_above_the_worker_count_is_named_in_one_warning():
+    rows = [{"method": "identity", "load_average": {"start": 1.2, "end": 3.9}},
+            {"method": "topk", "load_average": {"start": 0.5, "end": 1.0}},
+            {"method": "fp16"}]
+    assert report.load_warning(rows, 4) is None
+    warning = report.load_warning(rows, 2, {"start": 0.4, "end": 2.5})
+    assert warning.count("\n") == 0 and "identity (3.9)" in warning and "the whole bench (2.5)" in warning
+    assert "topk" not in warning and "2 workers" in warning
 
 
 def test_a_brief_unshaped_run_writes_every_output(tmp_path, capsys):
@@ -92,6 +116,8 @@ def test_a_brief_unshaped_run_writes_every_output(tmp_path, capsys):
     with open(out / "results.csv") as fh:
         assert [r["method"] for r in csv.DictReader(fh)] == list(runs)
     assert "| identity |" in printed and results["meta"]["network"].startswith("unshaped")
+    for load in [results["meta"]["load_average"]] + [r["load_average"] for r in runs.values()]:
+        assert set(load) == {"start", "end"} and all(v >= 0 for v in load.values())
     for png in ("accuracy_vs_time.png", "time_to_accuracy.png", "bytes_per_step.png", "time_breakdown.png"):
         assert (out / png).stat().st_size > 1000
     # the pre-training is cached: a second run loads it
