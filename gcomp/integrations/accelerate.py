@@ -1,7 +1,8 @@
 """gcomp in Accelerate: install on the prepared model, and every rank's hook state in ``save_state``.
 
+    from gcomp.integrations import accelerate as gcomp_accelerate
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
-    state = gcomp.integrations.accelerate.install(accelerator, model, "topk", ratio=0.01)
+    state = gcomp_accelerate.install(accelerator, model, "topk", ratio=0.01)
 
 Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only PyTorch's own hooks, so gcomp goes
 on after ``prepare``, on the DDP model it returns. This helper also registers the hook state for
