@@ -1,6 +1,6 @@
 """Accelerate with gcomp: scikit-learn's bundled digits, a small MLP, a method by name.
 
-    torchrun --nproc_per_node 2 examples/accelerate_train.py --dir /tmp/acc --method topk --param ratio=0.05
+    torchrun --nproc_per_node 2 examples/accelerate_train.py --dir /tmp/acc --method topk:ratio=0.05
     torchrun --nproc_per_node 2 examples/accelerate_train.py --dir /tmp/acc2 --resume /tmp/acc/state
 
 The gcomp line comes after ``accelerator.prepare``:
@@ -23,31 +23,20 @@ from accelerate import Accelerator
 from sklearn.datasets import load_digits
 from torch import nn
 
+import gcomp
 from gcomp.integrations import accelerate as gcomp_accelerate
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", required=True)
-    p.add_argument("--method", default="topk")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="a parameter of the method (default for topk: ratio=0.05)")
+    p.add_argument("--method", default="topk:ratio=0.05", type=gcomp.registry.spec_argument,
+                   help="a method and its parameters, as gcomp bench takes them (default topk:ratio=0.05)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--save-at", type=int, default=10, dest="save_at")
     p.add_argument("--resume", default=None, help="a folder accelerator.save_state wrote")
     args = p.parse_args(argv)
-    if args.method == "topk" and not args.param:
-        args.param = ["ratio=0.05"]
     return args
-
-
-def _value(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def main(argv=None) -> None:
@@ -61,8 +50,8 @@ def main(argv=None) -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
-    params = {k: _value(v) for k, v in (item.split("=", 1) for item in args.param)}
-    state = gcomp_accelerate.install(accelerator, model, args.method, **params)
+    name, params = args.method
+    state = gcomp_accelerate.install(accelerator, model, name, **params)
     start = 0
     if args.resume:
         accelerator.load_state(args.resume)

@@ -41,9 +41,8 @@ import gcomp
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", required=True, help="where the checkpoint and the final parameters go")
-    p.add_argument("--method", default="topk", help="a registered method (default topk)")
-    p.add_argument("--param", action="append", default=["ratio=0.05"], metavar="KEY=VALUE",
-                   help="a parameter of the method (default ratio=0.05 for topk)")
+    p.add_argument("--method", default="topk:ratio=0.05", type=gcomp.registry.spec_argument,
+                   help="a method and its parameters, as gcomp bench takes them (default topk:ratio=0.05)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--checkpoint-every", type=int, default=5, dest="every")
     p.add_argument("--kill-at", type=int, default=None, dest="kill_at",
@@ -52,15 +51,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps < 1 or args.every < 1:
         p.error("--steps and --checkpoint-every take whole numbers of at least 1")
     return args
-
-
-def _value(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def init_for_this_attempt() -> int:
@@ -111,9 +101,8 @@ def main(argv=None) -> int:
         net.load_state_dict(saved["model"])
         start = saved["step"]
     ddp = DistributedDataParallel(net)
-    params = dict(item.split("=", 1) for item in args.param) if args.method == "topk" else \
-        dict(item.split("=", 1) for item in args.param if not item.startswith("ratio="))
-    state = gcomp.install(ddp, args.method, **{k: _value(v) for k, v in params.items()})
+    name, params = args.method
+    state = gcomp.install(ddp, name, **params)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     if saved is not None:
         state.load_state_dict(saved["gcomp"])  # this rank's own residuals

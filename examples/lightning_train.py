@@ -1,6 +1,6 @@
 """Lightning with gcomp: scikit-learn's bundled digits, a small MLP, two CPU processes, a method by name.
 
-    python examples/lightning_train.py --dir /tmp/lit --method topk --param ratio=0.05 --epochs 3
+    python examples/lightning_train.py --dir /tmp/lit --method topk:ratio=0.05 --epochs 3
     python examples/lightning_train.py --dir /tmp/lit2 --epochs 3 --resume /tmp/lit/epoch=0.ckpt
 
 The one gcomp line is the callback: ``callbacks=[GcompCallback(method, **params)]``. It installs the hook on
@@ -23,31 +23,21 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import gcomp
+
 from gcomp.integrations.lightning import GcompCallback
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", required=True, help="checkpoints, logs and each rank's final parameters go here")
-    p.add_argument("--method", default="topk")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="a parameter of the method (default for topk: ratio=0.05)")
+    p.add_argument("--method", default="topk:ratio=0.05", type=gcomp.registry.spec_argument,
+                   help="a method and its parameters, as gcomp bench takes them (default topk:ratio=0.05)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--resume", default=None, help="a checkpoint to resume from")
     args = p.parse_args(argv)
-    if args.method == "topk" and not args.param:
-        args.param = ["ratio=0.05"]
     return args
-
-
-def _value(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 class Digits(L.LightningModule):
@@ -75,8 +65,8 @@ def data() -> DataLoader:
 def main(argv=None) -> None:
     args = parse_args(argv)
     folder = Path(args.dir)
-    params = {k: _value(v) for k, v in (item.split("=", 1) for item in args.param)}
-    gcomp_callback = GcompCallback(args.method, **params)
+    name, params = args.method
+    gcomp_callback = GcompCallback(name, **params)
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_epochs=args.epochs,
                         callbacks=[gcomp_callback, ModelCheckpoint(dirpath=folder, filename="{epoch}",
                                                                    save_top_k=-1, every_n_epochs=1)],

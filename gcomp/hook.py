@@ -65,7 +65,6 @@ class HookState:
         self._numels: dict[str, int] = {}
         self._layouts: dict[tuple, BucketInfo] = {}
         self._ready = False  # bound to the process group
-        self._named_by_place = False
         self._stepped = False  # a whole step went through this state in this process
         self._unchecked: dict | None = None  # a loaded part whose parameters are checked once all are known
         self.world_size = self.rank = None
@@ -110,7 +109,6 @@ class HookState:
                           "pruning masks and sends every bucket dense; pass model= to gcomp.comm_hook, or call "
                           "state.bind(model) before the first step", UserWarning, stacklevel=4)
         self.method.compressor.bind(self.model, self.group, self.stats)
-        self._named_by_place = self.model is None
         self._ready = True
 
     def _name_by_place(self, bucket) -> None:
@@ -151,6 +149,8 @@ class HookState:
         signature = (bucket.index(), buffer.numel(), buffer.dtype, tuple(map(id, params)))
         info = self._layouts.get(signature)
         if info is None:
+            if self.model is None:
+                self._name_by_place(bucket)  # after the first step: refuses parameters it never saw
             names = [self._names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
             info = BucketInfo.from_layout(bucket.index(), buffer.dtype, names, [p.numel() for p in params])
             self._layouts[signature] = info
@@ -161,7 +161,7 @@ class HookState:
         """Average one bucket over the process group; returns a future of the mean gradient."""
         if not self._ready:
             self._ensure_ready()
-        if self._named_by_place:
+        if self.model is None and not self._stepped:  # names by place come from the first step's buckets
             self._name_by_place(bucket)
         task = torch._C._current_graph_task_id()  # -1 outside a backward pass (a hook called by hand)
         if task != self._settle_task and task != -1:
@@ -169,12 +169,13 @@ class HookState:
             # (gcomp.collectives.futures says why); outside a backward pass, the settling is left to exit
             torch.autograd.Variable._execution_engine.queue_callback(futures.settle)
             self._settle_task = task
+        warming_up = self.iteration < self.warmup
+        info = None if warming_up else self.bucket_info(bucket)  # may refuse the bucket: before anything changes
         buffer = bucket.buffer()
         buffer.mul_(1.0 / self.world_size)  # the same scaling DDP's own reducer applies
         stats = self.stats
         stats["buckets"] += 1
         stats["bytes_dense"] += buffer.numel() * buffer.element_size()
-        warming_up = self.iteration < self.warmup
         if bucket.is_last():
             if self._unchecked is not None:  # every parameter has a name now
                 part, self._unchecked = self._unchecked, None
@@ -188,7 +189,7 @@ class HookState:
             stats["bytes_sent"] += buffer.numel() * buffer.element_size()
             return all_reduce_all(Payload([buffer]), self.group).then(lambda f: f.value()[0])
 
-        return self.method.reduce(buffer, self.bucket_info(bucket), self.group, stats)
+        return self.method.reduce(buffer, info, self.group, stats)
 
     def state_dict(self) -> dict:
         """This rank's state, filed under its rank (``gcomp.checkpoint``): tensors, bytes and plain values only,
@@ -232,7 +233,7 @@ class HookState:
         checkpoint.check_header(state, self.method)
         part = checkpoint.own_part(state, self.method, self.rank, self.world_size)
         checkpoint.check_stats(part["stats"])
-        if self._named_by_place and not self._stepped:
+        if self.model is None and not self._stepped:
             self._unchecked = part
         else:
             checkpoint.check_parameter_tensors(self.method, part, self._numels)

@@ -136,6 +136,17 @@ def parse_spec(text: str) -> tuple[str, dict]:
     return name, params
 
 
+def spec_argument(text: str) -> tuple[str, dict]:
+    """``parse_spec`` as an argparse ``type``: a bad spec is a usage error that keeps its message (argparse
+    would replace a ValueError's with "invalid value")."""
+    import argparse
+
+    try:
+        return parse_spec(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _typed(value: str, kind: type):
     if kind is bool:
         if value.lower() not in ("true", "false", "1", "0"):

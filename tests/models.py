@@ -54,3 +54,26 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 def flat_grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def run_example(cmd: list[str], cwd=None) -> str:
+    """Run an example's command; its stdout and stderr, or an assertion with their tail if it failed."""
+    import subprocess
+
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    return out
+
+
+def load_parameters(path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_parameters(*paths) -> None:
+    """Every file holds the same parameter names and, bit for bit, the same values."""
+    first, *rest = [load_parameters(p) for p in paths]
+    for other, path in zip(rest, paths[1:]):
+        assert other.keys() == first.keys(), path
+        differ = [k for k in first if not torch.equal(first[k], other[k])]
+        assert not differ, f"{path}: {differ} differ from {paths[0]}"

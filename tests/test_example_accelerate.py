@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,22 +14,14 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
+from tests.models import assert_same_parameters, run_example  # noqa: E402
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "accelerate_train.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-def _assert_replicas_identical(folder: Path) -> None:
-    ranks = [torch.load(folder / f"final_rank{r}.pt", weights_only=True) for r in range(2)]
-    assert ranks[0].keys() == ranks[1].keys()
-    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0]), "the replicas differ"
-
-
 def _run(folder: Path, *extra: str) -> str:
-    done = subprocess.run([*TORCHRUN, str(EXAMPLE), "--dir", str(folder), "--steps", "20", "--save-at", "8", *extra],
-                          capture_output=True, text=True, timeout=300)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
-    return out
+    return run_example([*TORCHRUN, str(EXAMPLE), "--dir", str(folder), "--steps", "20", "--save-at", "8", *extra])
 
 
 @pytest.mark.slow
@@ -38,14 +29,12 @@ def test_accelerate_example_compresses_and_resumes_bit_identically(tmp_path):
     whole = _run(tmp_path / "whole")
     sent, dense, steps = map(int, re.search(r"BYTES sent=(\d+) dense=(\d+) steps=(\d+)", whole).groups())
     assert steps == 20 and 0 < sent < dense / 4, whole[-2000:]
-    _assert_replicas_identical(tmp_path / "whole")
+    assert_same_parameters(*(tmp_path / "whole" / f"final_rank{r}.pt" for r in range(2)))
     saved = torch.load(tmp_path / "whole" / "state" / "custom_checkpoint_0.pkl", weights_only=True)
     assert sorted(saved["ranks"]) == ["rank0", "rank1"]
-    resumed = _run(tmp_path / "resumed", "--resume", str(tmp_path / "whole" / "state"))
-    _assert_replicas_identical(tmp_path / "resumed")
-    a = torch.load(tmp_path / "whole" / "final_rank0.pt", weights_only=True)
-    b = torch.load(tmp_path / "resumed" / "final_rank0.pt", weights_only=True)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed run differs"
+    _run(tmp_path / "resumed", "--resume", str(tmp_path / "whole" / "state"))
+    assert_same_parameters(*(tmp_path / "resumed" / f"final_rank{r}.pt" for r in range(2)))
+    assert_same_parameters(tmp_path / "whole" / "final_rank0.pt", tmp_path / "resumed" / "final_rank0.pt")
 
 
 def test_on_one_process_the_helper_installs_nothing_and_says_so(caplog):

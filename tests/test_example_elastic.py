@@ -4,12 +4,12 @@ parameters equal, bit for bit, those of a run that was never killed."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.models import assert_same_parameters, run_example
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "elastic.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -17,11 +17,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def _run(folder: Path, *extra: str) -> str:
-    done = subprocess.run([*TORCHRUN, str(EXAMPLE), "--dir", str(folder), "--steps", "12", "--checkpoint-every",
-                           "5", *extra], capture_output=True, text=True, timeout=240)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
-    return out
+    return run_example([*TORCHRUN, str(EXAMPLE), "--dir", str(folder), "--steps", "12", "--checkpoint-every", "5",
+                        *extra])
 
 
 @pytest.mark.slow
@@ -31,8 +28,4 @@ def test_a_killed_worker_restarts_and_resumes_the_same_trajectory(tmp_path):
     killed = _run(tmp_path / "killed", "--kill-at", "7")
     assert "KILLED step=7" in killed and "RESUMED step=5 attempt=1" in killed and "DONE steps=12" in killed
     assert re.search(r"exitcode: -9", killed), "the worker was not killed"
-    final = torch.load(tmp_path / "killed" / "final.pt", weights_only=True)
-    reference = torch.load(tmp_path / "plain" / "final.pt", weights_only=True)
-    assert final.keys() == reference.keys()
-    for name in final:
-        assert torch.equal(final[name], reference[name]), f"{name} differs after the restart"
+    assert_same_parameters(tmp_path / "plain" / "final.pt", tmp_path / "killed" / "final.pt")

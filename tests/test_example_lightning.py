@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,23 +15,13 @@ import torch
 pytest.importorskip("lightning")
 
 from tests.distributed import run_ranks  # noqa: E402
-from tests.models import ddp, flat_params, mlp, train  # noqa: E402
+from tests.models import assert_same_parameters, ddp, flat_params, mlp, run_example, train  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_train.py"
 
 
-def _assert_replicas_identical(folder: Path) -> None:
-    ranks = [torch.load(folder / f"final_rank{r}.pt", weights_only=True) for r in range(2)]
-    assert ranks[0].keys() == ranks[1].keys()
-    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0]), "the replicas differ"
-
-
 def _run(folder: Path, *extra: str) -> str:
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--dir", str(folder), "--epochs", "2", *extra],
-                          capture_output=True, text=True, timeout=300, cwd=folder.parent)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
-    return out
+    return run_example([sys.executable, str(EXAMPLE), "--dir", str(folder), "--epochs", "2", *extra], cwd=folder.parent)
 
 
 @pytest.mark.slow
@@ -40,7 +29,7 @@ def test_lightning_example_compresses_and_resumes_bit_identically(tmp_path):
     whole = _run(tmp_path / "whole")
     sent, dense, steps = map(int, re.search(r"BYTES sent=(\d+) dense=(\d+) steps=(\d+)", whole).groups())
     assert steps > 0 and 0 < sent < dense / 4, whole[-2000:]
-    _assert_replicas_identical(tmp_path / "whole")
+    assert_same_parameters(*(tmp_path / "whole" / f"final_rank{r}.pt" for r in range(2)))
     with open(tmp_path / "whole" / "logs" / "version_0" / "metrics.csv") as f:
         logged = list(csv.DictReader(f))
     ratios = [float(row["gcomp_ratio"]) for row in logged if row.get("gcomp_ratio")]
@@ -48,11 +37,9 @@ def test_lightning_example_compresses_and_resumes_bit_identically(tmp_path):
     assert ratios and all(r > 1 for r in ratios) and per_step and all(0 < b < dense / steps for b in per_step[1:])
     checkpoint = torch.load(tmp_path / "whole" / "epoch=0.ckpt", weights_only=True)
     assert sorted(checkpoint["callbacks"]["GcompCallback"]["gcomp"]["ranks"]) == ["rank0", "rank1"]
-    resumed = _run(tmp_path / "resumed", "--resume", str(tmp_path / "whole" / "epoch=0.ckpt"))
-    _assert_replicas_identical(tmp_path / "resumed")
-    a = torch.load(tmp_path / "whole" / "final_rank0.pt", weights_only=True)
-    b = torch.load(tmp_path / "resumed" / "final_rank0.pt", weights_only=True)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the resumed run differs"
+    _run(tmp_path / "resumed", "--resume", str(tmp_path / "whole" / "epoch=0.ckpt"))
+    assert_same_parameters(*(tmp_path / "resumed" / f"final_rank{r}.pt" for r in range(2)))
+    assert_same_parameters(tmp_path / "whole" / "final_rank0.pt", tmp_path / "resumed" / "final_rank0.pt")
 
 
 def _through_lightnings_registration() -> dict:

@@ -345,3 +345,15 @@ def test_a_broken_plugin_warns_and_does_not_hide_the_others(plugin_env):
 
 def test_registry_is_clean_after_plugin_tests():
     assert not [n for n in gcomp.available() if n.startswith(("plugin-", "test-"))]
+
+
+def test_spec_argument_is_a_usage_error_that_keeps_its_message():
+    import argparse
+
+    from gcomp.registry import spec_argument
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--method", type=spec_argument)
+    assert parser.parse_args(["--method", "topk:ratio=0.05"]).method == ("topk", {"ratio": 0.05})
+    with pytest.raises(argparse.ArgumentTypeError, match="parameter of topk"):
+        spec_argument("topk:rat=1")
