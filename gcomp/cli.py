@@ -31,12 +31,12 @@ def _describe(args) -> int:
 def _bench(args) -> int:
     from pathlib import Path
 
-    from gcomp.bench import report, runner
+    from gcomp.bench import race, report, runner
     if args.codec:
         return _codec(args)
     config = runner.BenchConfig()
-    for key in ("dataset", "model", "workers", "bandwidth", "steps", "batch", "lr", "seed", "eval_every",
-                "pretrain_epochs", "prune_ratio", "target_accuracy", "data_dir", "cache_dir"):
+    for key in ("dataset", "model", "workers", "bandwidth", "steps", "batch", "lr", "seed", "seeds", "eval_every",
+                "pretrain_epochs", "prune_method", "target_accuracy", "data_dir", "cache_dir"):
         value = getattr(args, key)
         if value is not None:
             setattr(config, key, value)
@@ -45,22 +45,42 @@ def _bench(args) -> int:
     out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
     load_start = os.getloadavg()[0]
     try:
+        if args.prune_ratio is not None:
+            config.prune_ratio = _ratios(args.prune_ratio)
         rows, network = runner.run(config, out)
     except (ValueError, FileNotFoundError) as err:
         print(f"gcomp bench: {err}", file=sys.stderr)
         return 2
     load = {"start": load_start, "end": os.getloadavg()[0]}  # 1-minute load average of this machine
-    target = report.add_derived(rows, config.target_accuracy)
-    meta = {"config": vars(config), "network": network, "target_accuracy": target, "load_average": load}
-    paths = report.write(rows, out, meta)
-    print(f"\n{config.model} on {config.dataset}, {config.workers} workers, {network}; target accuracy "
-          f"{target if target is None else round(target, 4)}\n")
-    print(report.markdown(rows))
+    target = race.add_derived(rows, config.target_accuracy)
+    summary = race.summarise(rows)
+    targets = sorted({r["target_accuracy"] for r in rows if r.get("target_accuracy") is not None})
+    meta = {"config": vars(config), "network": network, "target_accuracy": target, "targets": targets,
+            "load_average": load}
+    paths = report.write(rows, out, meta, summary)
+    seeds = f", {config.seeds} seeds (median and range)" if config.seeds > 1 else ""
+    aim = "none" if not targets else f"{targets[0]:.4f}" + (f"–{targets[-1]:.4f}" if len(targets) > 1 else "")
+    print(f"\n{config.model} on {config.dataset}, {config.workers} workers, {network}{seeds}; target accuracy "
+          f"{aim}")
+    for bandwidth in dict.fromkeys(e["bandwidth"] for e in summary):
+        if len(config.bandwidths()) > 1:
+            print(f"\n### {bandwidth}")
+        print("\n" + report.markdown([e for e in summary if e["bandwidth"] == bandwidth]))
     print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
-    warning = report.load_warning(rows, config.workers, load)
-    if warning:
-        print(warning, file=sys.stderr)
+    for warning in (race.short_race_warning(rows), report.load_warning(rows, config.workers, load)):
+        if warning:
+            print(warning, file=sys.stderr)
     return 0
+
+
+def _ratios(text: str) -> float | list[float]:
+    """--prune-ratio: one ratio, or a comma-separated sweep."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--prune-ratio takes a ratio or a comma-separated list of them (0.1,0.3,0.5); got "
+                         f"{text!r}") from None
+    return values[0] if len(values) == 1 else values
 
 
 def _codec(args) -> int:
@@ -97,20 +117,27 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("describe", help="a method's parameters, defaults, ranges and wire format")
     p.add_argument("name")
     p.set_defaults(run=_describe)
-    b = sub.add_parser("bench", help="compare methods under one harness (default: digits, 4 workers, 100mbit)")
+    b = sub.add_parser("bench", help="compare methods under one harness (default: an MLP pre-trained on digits "
+                       "0-4, fine-tuned on 5-9, 4 workers, 100mbit)")
     b.add_argument("--method", action="append", metavar="SPEC", help="a method (name or name:key=value,...; "
                    "torch:allreduce, torch:fp16, torch:powersgd); repeatable; default: the README's comparison")
     b.add_argument("--dataset", help="digits, text, cifar10, cifar100 or synthetic")
     b.add_argument("--model", help="mlp[:W1,W2], resnet18, vgg19, vit or charlm")
     b.add_argument("--workers", type=int)
-    b.add_argument("--bandwidth", help="per-link limit: 100mbit, 500mbit, 1gbit, ... or none")
+    b.add_argument("--bandwidth", help="per-link limit: 100mbit, 500mbit, 1gbit, ... or none; a comma-separated "
+                   "list sweeps them (100mbit,500mbit,1gbit)")
     b.add_argument("--steps", type=int, help="training steps per method")
     b.add_argument("--batch", type=int, help="batch size per worker")
     b.add_argument("--lr", type=float)
     b.add_argument("--seed", type=int)
+    b.add_argument("--seeds", type=int, help="run every method this many times (seeds SEED, SEED+1, ...): medians, "
+                   "ranges and a verdict against all-reduce and the best PyTorch hook")
     b.add_argument("--eval-every", type=int, dest="eval_every")
     b.add_argument("--pretrain-epochs", type=int, dest="pretrain_epochs", help="0: start from random weights")
-    b.add_argument("--prune-ratio", type=float, dest="prune_ratio", help="pactrain/prunex's pruning ratio")
+    b.add_argument("--prune-ratio", dest="prune_ratio", help="pactrain/prunex's pruning ratio; a comma-separated "
+                   "list sweeps them (0.1,0.3,0.5,0.7,0.8)")
+    b.add_argument("--prune-method", dest="prune_method", help="how pactrain/prunex's runs prune the model first: "
+                   "grasp (the default, as the PacTrain paper), magnitude or random")
     b.add_argument("--target-accuracy", type=float, dest="target_accuracy")
     b.add_argument("--data-dir", dest="data_dir", help="where cifar10/cifar100 lie (python-pickle format)")
     b.add_argument("--cache-dir", dest="cache_dir", help="pre-trained weights cache (default ~/.cache/gcomp)")

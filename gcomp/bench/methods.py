@@ -66,7 +66,7 @@ def parse_method(text: str) -> BenchMethod:
 class TorchHook:
     """One of PyTorch's DDP hooks, registered on ``ddp``, counting the bytes it hands to collectives."""
 
-    def __init__(self, name: str, ddp, group=None):
+    def __init__(self, name: str, ddp, group=None, seed: int = 0):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         self.name, self.stats = name, {"bytes_sent": 0, "bytes_dense": 0, "encode_s": 0.0, "decode_s": 0.0}
         if name == "torch:allreduce":
@@ -75,7 +75,7 @@ class TorchHook:
             hook, state, self._bytes = default_hooks.fp16_compress_hook, group, lambda b: b.buffer().numel() * 2
         else:
             state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
-                                                start_powerSGD_iter=2, random_seed=0)
+                                                start_powerSGD_iter=2, random_seed=seed)
             hook, self._bytes = powerSGD_hook.powerSGD_hook, lambda b: _powersgd_bytes(b, state)
         self._hook, self._state = hook, state
         ddp.register_comm_hook(self, TorchHook._call)

@@ -1,8 +1,7 @@
-"""A comparison's outputs: ``results.json``, ``results.csv`` (one row per method), PNG plots, a Markdown table.
+"""A comparison's outputs: ``results.json`` (the settings, every run and the summary over seeds),
+``results.csv`` (one row per run), PNG plots (``gcomp.bench.plots``) and Markdown tables.
 
-Time to accuracy is read off each run's evaluations: the training time (the sum of rank 0's step times,
-evaluations excluded) at the first evaluation reaching the target. The target is the config's, or else 99%
-of the best accuracy the plain all-reduce runs (``identity``, ``torch:allreduce``) reached.
+The figures themselves (time to accuracy, medians, ranges, verdicts) come from ``gcomp.bench.race``.
 """
 from __future__ import annotations
 
@@ -10,38 +9,11 @@ import csv
 import json
 from pathlib import Path
 
-BASELINES = ("identity", "torch:allreduce")
-CSV_FIELDS = ("method", "collective", "workers", "model", "dataset", "bandwidth", "steps", "step_s",
-              "compute_s_per_step", "encode_s_per_step", "comm_s_per_step", "decode_s_per_step",
+CSV_FIELDS = ("method", "collective", "workers", "model", "dataset", "bandwidth", "seed", "prune_ratio", "steps",
+              "step_s", "compute_s_per_step", "encode_s_per_step", "comm_s_per_step", "decode_s_per_step",
               "bytes_sent_per_step", "bytes_dense_per_step", "compression", "final_loss", "final_accuracy",
               "target_accuracy", "time_to_target_s", "steps_to_target", "tta_speedup", "step_speedup",
-              "kept_fraction", "one_bucket")
-
-
-def baseline(rows: list[dict]) -> dict | None:
-    for name in BASELINES:
-        for r in rows:
-            if r["method"] == name:
-                return r
-    return None
-
-
-def add_derived(rows: list[dict], target: float | None) -> float | None:
-    """Adds the target, time and steps to it, compression and speedups to every row; returns the target."""
-    base = baseline(rows)
-    if target is None and base is not None and base["history"]:
-        target = 0.99 * max(h["accuracy"] for h in base["history"])
-    for r in rows:
-        r["target_accuracy"] = target
-        hit = next((h for h in r["history"] if target is not None and h["accuracy"] >= target), None)
-        r["time_to_target_s"] = hit["train_s"] if hit else None
-        r["steps_to_target"] = hit["step"] if hit else None
-        r["compression"] = r["bytes_dense_per_step"] / r["bytes_sent_per_step"] if r["bytes_sent_per_step"] else None
-    for r in rows:
-        r["step_speedup"] = base["step_s"] / r["step_s"] if base and r["step_s"] else None
-        tta = base and base.get("time_to_target_s")
-        r["tta_speedup"] = tta / r["time_to_target_s"] if tta and r["time_to_target_s"] else None
-    return target
+              "kept_fraction", "one_bucket", "inter_bytes_per_step", "inter_bytes_dense_per_step")
 
 
 def _fmt(value, spec: str) -> str:
@@ -59,10 +31,13 @@ def _reached(row: dict, value, spec: str) -> str:
 def load_warning(rows: list[dict], workers: int, bench_load: dict | None = None) -> str | None:
     """One line naming the runs during which the machine's 1-minute load average exceeded the worker count
     (their timings are shared with other work), or None."""
-    loads = [(r["method"], max(r["load_average"].values())) for r in rows if r.get("load_average")]
+    loads: dict[str, float] = {}  # the highest per method, over its seeds and sweep points
+    for r in rows:
+        if r.get("load_average"):
+            loads[r["method"]] = max(loads.get(r["method"], 0.0), *r["load_average"].values())
     if bench_load:
-        loads.append(("the whole bench", max(bench_load.values())))
-    busy = [(name, load) for name, load in loads if load > workers]
+        loads["the whole bench"] = max(bench_load.values())
+    busy = [(name, load) for name, load in loads.items() if load > workers]
     if not busy:
         return None
     named = ", ".join(f"{name} ({load:.1f})" for name, load in busy)
@@ -71,88 +46,67 @@ def load_warning(rows: list[dict], workers: int, bench_load: dict | None = None)
             "quieter machine")
 
 
+def _cell(row: dict, key: str, spec: str, scale: float = 1.0, reached: bool = False) -> str:
+    """A figure, followed by its range over seeds "(min–max)" where the row summarises several."""
+    value = None if row.get(key) is None else scale * row[key]
+    text = _reached(row, value, spec) if reached else _fmt(value, spec)
+    span = row.get("ranges", {}).get(key) if row.get("seeds", 1) > 1 else None
+    if span is None or text == "—":
+        return text
+    low, high = (_range_end(row, key, v, spec, scale) for v in span)
+    return text if low == high else f"{text} ({low}–{high})"
+
+
+def _range_end(row: dict, key: str, value: float, spec: str, scale: float) -> str:
+    never = (key == "tta_speedup" and value == 0.0) or value == float("inf")
+    return "not reached" if never else format(scale * value, spec)
+
+
 def markdown(rows: list[dict]) -> str:
+    """The table of runs, or of a summary's entries (``gcomp.bench.race.summarise``): medians with their
+    range over seeds, and the verdict columns where there are several seeds. A method that prunes carries its
+    ratio where the rows hold several."""
+    verdicts = any(r.get("vs_allreduce") or r.get("vs_best_torch_hook") for r in rows)
+    ratios = {r.get("prune_ratio") for r in rows if r.get("prune_ratio") is not None}
     head = ("| method | step ms | compute | encode | comm | decode | bytes/step | compression | final acc "
-            "| time to target s | TTA speedup | step speedup |")
+            "| steps to target | time to target s | TTA speedup | step speedup |")
+    if verdicts:
+        best = next((r["best_torch_hook"] for r in rows if r.get("best_torch_hook")), None)
+        head += f" TTA vs all-reduce | TTA vs best PyTorch hook ({best}) |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
-        lines.append(
-            f"| {r['method']}{' (one bucket)' if r.get('one_bucket') else ''} | {1000 * r['step_s']:.1f} "
-            f"| {1000 * r['compute_s_per_step']:.1f} | {1000 * r['encode_s_per_step']:.1f} "
-            f"| {1000 * r['comm_s_per_step']:.1f} | {1000 * r['decode_s_per_step']:.1f} "
-            f"| {r['bytes_sent_per_step']:,.0f} | {_fmt(r['compression'], '.2f')}x "
-            f"| {_fmt(r['final_accuracy'], '.4f')} | {_reached(r, r['time_to_target_s'], '.2f')} "
-            f"| {_reached(r, r['tta_speedup'], '.2f')} | {_fmt(r['step_speedup'], '.2f')} |")
+        name = r["method"] + (f" @{r['prune_ratio']:g}" if len(ratios) > 1 and r.get("prune_ratio") is not None
+                              else "")
+        line = (f"| {name}{' (one bucket)' if r.get('one_bucket') else ''} | {_cell(r, 'step_s', '.1f', 1000)} "
+                f"| {_fmt(_ms(r, 'compute_s_per_step'), '.1f')} | {_fmt(_ms(r, 'encode_s_per_step'), '.1f')} "
+                f"| {_fmt(_ms(r, 'comm_s_per_step'), '.1f')} | {_fmt(_ms(r, 'decode_s_per_step'), '.1f')} "
+                f"| {_cell(r, 'bytes_sent_per_step', ',.0f')} | {_fmt(r.get('compression'), '.2f')}x "
+                f"| {_cell(r, 'final_accuracy', '.4f')} | {_cell(r, 'steps_to_target', '.0f', reached=True)} "
+                f"| {_cell(r, 'time_to_target_s', '.2f', reached=True)} "
+                f"| {_cell(r, 'tta_speedup', '.2f', reached=True)} | {_fmt(r.get('step_speedup'), '.2f')} |")
+        if verdicts:
+            line += f" {r.get('vs_allreduce') or '—'} | {r.get('vs_best_torch_hook') or '—'} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
-def write(rows: list[dict], out: Path, meta: dict) -> dict[str, Path]:
-    """results.json (meta and full rows), results.csv, and the plots where matplotlib is installed."""
+def _ms(row: dict, key: str):
+    return None if row.get(key) is None else 1000 * row[key]
+
+
+def write(rows: list[dict], out: Path, meta: dict, summary: list[dict] | None = None) -> dict[str, Path]:
+    """results.json (meta, every run and the summary), results.csv (the runs), and the plots where matplotlib
+    is installed."""
+    from gcomp.bench import plots
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "csv": out / "results.csv"}
-    paths["json"].write_text(json.dumps({"meta": meta, "runs": rows}, indent=1))
+    body = {"meta": meta, "runs": rows}
+    if summary is not None:
+        body["summary"] = summary
+    paths["json"].write_text(json.dumps(body, indent=1))
     with open(paths["csv"], "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    paths.update(plots(rows, out))
+    paths.update(plots.all_plots(rows, summary if summary is not None else rows, out))
     return paths
-
-
-def plots(rows: list[dict], out: Path) -> dict[str, Path]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return {}
-    names = [r["method"] for r in rows]
-    made = {}
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        ax.plot([h["train_s"] for h in r["history"]], [h["accuracy"] for h in r["history"]], marker=".",
-                label=r["method"])
-    if rows and rows[0].get("target_accuracy"):
-        ax.axhline(rows[0]["target_accuracy"], color="grey", linestyle=":", label="target")
-    ax.set(xlabel="training time (s)", ylabel="test accuracy", title="accuracy against wall time")
-    ax.legend(fontsize=7)
-    made["accuracy"] = _save(fig, out / "accuracy_vs_time.png", plt)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    heights = [r["tta_speedup"] if r["tta_speedup"] is not None else float("nan") for r in rows]
-    ax.bar(names, heights)  # NaN: no bar at all, and the label below says why
-    for i, r in enumerate(rows):
-        if r["tta_speedup"] is None:
-            ax.annotate("not reached" if r.get("target_accuracy") is not None else "no target", (i, 1.0),
-                        ha="center", va="bottom", rotation=90, fontsize=7, color="firebrick")
-    ax.axhline(1.0, color="grey", linestyle=":")
-    ax.set(ylabel="time-to-accuracy speedup over all-reduce", title="time to accuracy (1: all-reduce)")
-    ax.tick_params(axis="x", rotation=45, labelsize=7)
-    made["tta"] = _save(fig, out / "time_to_accuracy.png", plt)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.bar(names, [r["bytes_sent_per_step"] for r in rows])
-    ax.set(ylabel="bytes per step (rank 0)", yscale="log", title="bytes on the wire per step")
-    ax.tick_params(axis="x", rotation=45, labelsize=7)
-    made["bytes"] = _save(fig, out / "bytes_per_step.png", plt)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    bottom = [0.0] * len(rows)
-    for key, label in (("compute_s_per_step", "compute"), ("encode_s_per_step", "encode"),
-                       ("comm_s_per_step", "communicate"), ("decode_s_per_step", "decode")):
-        values = [1000 * r[key] for r in rows]
-        ax.bar(names, values, bottom=bottom, label=label)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set(ylabel="ms per step", title="where a step's time goes")
-    ax.legend(fontsize=7)
-    ax.tick_params(axis="x", rotation=45, labelsize=7)
-    made["breakdown"] = _save(fig, out / "time_breakdown.png", plt)
-    return made
-
-
-def _save(fig, path: Path, plt) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

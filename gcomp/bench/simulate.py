@@ -85,13 +85,21 @@ def load_runs(path: Path) -> list[dict]:
 
 
 def largest_run_per_method(runs: Sequence[dict]) -> list[dict]:
-    """For each method (in first-seen order), its row with the most workers (the first such row on a tie)."""
-    chosen: dict[str, dict] = {}
+    """For each method (in first-seen order), its row with the most workers (the first such row on a tie: the
+    first seed and bandwidth of a sweep). A method that a prune-ratio sweep ran at several ratios is one method
+    per ratio, labelled ``method @ratio``."""
+    ratios: dict[str, set] = {}
     for row in runs:
-        best = chosen.get(row.get("method"))
+        if row.get("prune_ratio") is not None:
+            ratios.setdefault(row.get("method"), set()).add(row["prune_ratio"])
+    chosen: dict[tuple, dict] = {}
+    for row in runs:
+        key = (row.get("method"), row.get("prune_ratio"))
+        best = chosen.get(key)
         if best is None or (row.get("workers") or 1) > (best.get("workers") or 1):
-            chosen[row.get("method")] = row
-    return list(chosen.values())
+            chosen[key] = row
+    return [dict(row, method=f"{method} @{ratio:g}") if len(ratios.get(method, ())) > 1 else row
+            for (method, ratio), row in chosen.items()]
 
 
 def _parse_args(argv):

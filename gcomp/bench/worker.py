@@ -1,7 +1,8 @@
 """One benchmark worker: ``python -m gcomp.bench.worker CONFIG.json`` on every rank (env:// rendezvous).
 
-Every method of the config runs in turn on the same process group, from the same (pre-trained) weights, with
-the same data shards, batches, optimizer and schedule. Per step, rank 0 records its wall time and the hook's
+The config's ``jobs`` (a method, a seed, a prune ratio each) run in turn on the same process group; the methods
+of one seed start from the same (pre-trained) weights, with the same data shards, batches, optimizer and
+schedule. Per step, rank 0 records its wall time and the hook's
 counters; the split into compute, encode, communicate and decode is:
 
 - encode / decode: the hook's own host timers (``encode_s``, ``decode_s``);
@@ -32,6 +33,8 @@ from gcomp.ddp_options import no_buffer_sync
 from gcomp.pruning import kept_fraction, prune
 
 COMPUTE_SAMPLES = 5
+# the hook's counters a row reports per step; the inter-node pair only for hierarchical methods (on a leader)
+COUNTERS = ("bytes_sent", "bytes_dense", "encode_s", "decode_s", "inter_bytes", "inter_bytes_dense")
 
 
 def batches(data: Data, rank: int, world: int, batch: int, seed: int):
@@ -47,6 +50,8 @@ def batches(data: Data, rank: int, world: int, batch: int, seed: int):
 
 
 def build(method: BenchMethod, config: dict, data: Data, pretrained: dict | None):
+    """The job's model (pre-trained weights, pruned where the method prunes), DDP around it and the method's
+    hook; ``config`` holds the job's ``seed`` and ``prune_ratio``."""
     model = make_model(config["model"], data, config["seed"])
     if pretrained is not None:
         model.load_state_dict(pretrained)
@@ -58,7 +63,7 @@ def build(method: BenchMethod, config: dict, data: Data, pretrained: dict | None
     ddp = DistributedDataParallel(model, bucket_cap_mb=1e6 if method.one_bucket else config["bucket_cap_mb"],
                                   **no_buffer_sync())
     if method.is_torch:
-        stats = TorchHook(method.name, ddp).stats
+        stats = TorchHook(method.name, ddp, seed=config["seed"]).stats
     else:
         stats = gcomp.install(ddp, method.name, **method.params).stats
     return model, ddp, stats
@@ -84,7 +89,7 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
         clock += elapsed
         times.append(elapsed)
         losses.append(loss.detach())
-        counters.append({k: stats[k] for k in ("bytes_sent", "bytes_dense", "encode_s", "decode_s")})
+        counters.append({k: stats[k] for k in COUNTERS if k in stats})
         bar.update()
         if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
             history.append({"step": step + 1, "train_s": clock, "accuracy": accuracy(model, data.test)})
@@ -153,6 +158,7 @@ def summarise(method, config, times, losses, counters, history, compute, kept, w
     step_s = statistics.mean(times[half:]) if steps else 0.0
     encode, decode = per_step("encode_s"), per_step("decode_s")
     return {"method": method.label, "name": method.name, "params": method.params, "collective": method.collective,
+            "seed": config["seed"], "prune_ratio": config["prune_ratio"] if method.prunes else None,
             "workers": world, "model": config["model"], "dataset": config["dataset"], "steps": steps,
             "bandwidth": config["bandwidth"], "bandwidth_bps": config["bandwidth_bps"],
             "step_s": step_s, "compute_s_per_step": compute, "encode_s_per_step": encode,
@@ -162,7 +168,9 @@ def summarise(method, config, times, losses, counters, history, compute, kept, w
             "train_s": sum(times), "final_loss": float(losses[-1]) if losses else None,
             "final_accuracy": history[-1]["accuracy"] if history else None, "history": history,
             "step_times": times, "losses": [float(v) for v in losses], "kept_fraction": kept, "parameters": params,
-            "one_bucket": method.one_bucket}
+            "one_bucket": method.one_bucket,
+            **{f"{key}_per_step": per_step(key) for key in ("inter_bytes", "inter_bytes_dense")
+               if counters and key in counters[-1]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,13 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     log = (lambda text: print(text, flush=True)) if rank == 0 and config.get("verbose", True) else (lambda text: None)
     try:
-        data = load_data(config["dataset"], data_dir=config.get("data_dir"), seed=config["seed"])
-        pretrained = torch.load(config["pretrained"], weights_only=True) if config.get("pretrained") else None
+        data = load_data(config["dataset"], data_dir=config.get("data_dir"), seed=config["split_seed"])
+        weights = {}
         rows = []
-        for text in config["methods"]:
-            log(f"== {text}")
+        for job in config["jobs"]:
+            text, seed = job["method"], job["seed"]
+            path = config["pretrained"].get(str(seed))
+            if path and path not in weights:
+                weights[path] = torch.load(path, weights_only=True)
+            tags = [f"seed {seed}"] if len(config["pretrained"]) > 1 else []
+            if parse_method(text).prunes:
+                tags.append(f"prune ratio {job['prune_ratio']}")
+            log(f"== {text}" + (f"  ({', '.join(tags)})" if tags else ""))
             load_start = os.getloadavg()[0]
-            row = run_method(parse_method(text), config, data, pretrained, log)
+            row = run_method(parse_method(text), {**config, **job}, data, weights.get(path), log)
             row["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}  # 1 minute, this machine
             rows.append(row)
         if rank == 0:

@@ -1,10 +1,11 @@
 """Benchmark workloads: models defined here (there is no CPU torchvision) and datasets that need no download.
 
 Models (``MODELS``): ``mlp`` (hidden widths as ``mlp:1024,1024``), ``resnet18`` and ``vgg19`` in their CIFAR
-form, ``vit`` (a small vision transformer), ``charlm`` (a small character-level Transformer language model).
-Datasets (``DATASETS``): ``digits`` (scikit-learn's bundled 8x8 handwritten digits), ``text`` (the pydoc topics
-text Python ships, as characters), ``cifar10``/``cifar100`` (the standard python-pickle batches, read from
-``data_dir``), ``synthetic`` (a seeded random teacher task). Every dataset is a :class:`Data`.
+form (a narrower base width as ``resnet18:16``: the communication-bound vision workload on this machine), ``vit`` (a small vision transformer), ``charlm`` (a small character-level Transformer language model).
+Datasets (``DATASETS``): ``digits`` (scikit-learn's bundled 8x8 handwritten digits), ``digits-transfer`` (the
+same images split by class: pre-training sees only the digits 0-4, fine-tuning and testing only 5-9), ``text``
+(the pydoc topics text Python ships, as characters), ``cifar10``/``cifar100`` (the standard python-pickle batches,
+read from ``data_dir``), ``synthetic`` (a seeded random teacher task). Every dataset is a :class:`Data`.
 """
 from __future__ import annotations
 
@@ -16,19 +17,21 @@ import numpy as np
 import torch
 from torch import nn
 
-DATASETS = ("digits", "text", "cifar10", "cifar100", "synthetic")
+DATASETS = ("digits", "digits-transfer", "text", "cifar10", "cifar100", "synthetic")
 MODELS = ("mlp", "resnet18", "vgg19", "vit", "charlm")
 
 
 @dataclass
 class Data:
-    """Train and test tensors; ``shape`` is one example's input shape, ``classes`` the number of labels."""
+    """Train and test tensors; ``shape`` is one example's input shape, ``classes`` the number of labels.
+    ``pretrain`` is the pre-training set where it differs from ``train`` (another task), else None."""
 
     name: str
     train: tuple[torch.Tensor, torch.Tensor]
     test: tuple[torch.Tensor, torch.Tensor]
     shape: tuple[int, ...]
     classes: int
+    pretrain: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def shard(self, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank ``rank``'s disjoint share of the training set, equal in size on every rank."""
@@ -43,6 +46,8 @@ def load_data(name: str, *, data_dir: str | Path | None = None, seed: int = 0, c
     """The dataset ``name`` (one of ``DATASETS``)."""
     if name == "digits":
         return _digits(seed)
+    if name == "digits-transfer":
+        return _digits_transfer(seed)
     if name == "synthetic":
         return _synthetic(seed)
     if name == "text":
@@ -65,6 +70,20 @@ def _digits(seed: int) -> Data:
     x = (x.astype(np.float32) / 16.0 - 0.5) / 0.5
     train, test = _split(x.reshape(-1, 1, 8, 8), y.astype(np.int64), seed)
     return Data("digits", train, test, (1, 8, 8), 10)
+
+
+def _digits_transfer(seed: int) -> Data:
+    """Digits split by class into two tasks: pre-train on 0-4, fine-tune and test on 5-9. The pre-trained
+    model predicts none of 5-9 at first (its test accuracy starts near 0), so fine-tuning has real work to do,
+    while the features it learnt (strokes) carry over."""
+    full = _digits(seed)
+
+    def classes(split, low, high):
+        keep = (split[1] >= low) & (split[1] <= high)
+        return split[0][keep], split[1][keep]
+
+    return Data("digits-transfer", classes(full.train, 5, 9), classes(full.test, 5, 9), full.shape, full.classes,
+                pretrain=classes(full.train, 0, 4))
 
 
 def _synthetic(seed: int, n: int = 4096, features: int = 64, classes: int = 10) -> Data:
@@ -127,14 +146,23 @@ def make_model(spec: str, data: Data, seed: int = 0) -> nn.Module:
             widths = tuple(int(w) for w in option.split(",")) if option else (256, 256)
             return mlp(int(np.prod(data.shape)), widths, data.classes)
         if name == "resnet18":
-            return ResNet18(data.shape[0], data.classes)
+            return ResNet18(data.shape[0], data.classes, _width(spec, option, 64))
         if name == "vgg19":
-            return vgg19(data.shape[0], data.classes)
+            return vgg19(data.shape[0], data.classes, _width(spec, option, 64))
         if name == "vit":
             return ViT(data.shape, data.classes)
         if name == "charlm":
             return CharLM(data.classes, data.shape[0])
     raise ValueError(f"unknown model {spec!r}; choose one of {', '.join(MODELS)} (mlp:W1,W2 sets its widths)")
+
+
+def _width(spec: str, option: str, default: int) -> int:
+    """The base width of ``resnet18:W`` / ``vgg19:W`` (every layer scaled by W / 64), ``default`` without one."""
+    if not option:
+        return default
+    if not option.isdigit() or int(option) < 1:
+        raise ValueError(f"model {spec!r}: the option is a base width, a positive whole number (resnet18:16)")
+    return int(option)
 
 
 def mlp(inputs: int, widths: tuple[int, ...], classes: int) -> nn.Module:
@@ -160,25 +188,29 @@ class _Block(nn.Module):
 
 
 class ResNet18(nn.Module):
-    """ResNet18 in its CIFAR form (3x3 stem, no max-pool): 11.2M parameters for 10 classes."""
+    """ResNet18 in its CIFAR form (3x3 stem, no max-pool): 11.2M parameters for 10 classes at base width 64;
+    ``width`` w scales every layer's channels by w / 64 (about (w / 64)^2 as many parameters)."""
 
-    def __init__(self, channels: int = 3, classes: int = 10):
+    def __init__(self, channels: int = 3, classes: int = 10, width: int = 64):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(channels, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
-        blocks, cin = [], 64
-        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        self.stem = nn.Sequential(nn.Conv2d(channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        blocks, cin = [], width
+        for cout, stride in ((width, 1), (2 * width, 2), (4 * width, 2), (8 * width, 2)):
             blocks += [_Block(cin, cout, stride), _Block(cout, cout, 1)]
             cin = cout
         self.blocks = nn.Sequential(*blocks)
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8 * width, classes))
 
     def forward(self, x):
         return self.head(self.blocks(self.stem(x)))
 
 
-def vgg19(channels: int = 3, classes: int = 10) -> nn.Module:
-    """VGG19 with batch norm in its CIFAR form (one 512-wide classifier layer): 20M parameters."""
-    plan = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"]
+def vgg19(channels: int = 3, classes: int = 10, width: int = 64) -> nn.Module:
+    """VGG19 with batch norm in its CIFAR form (one classifier layer): 20M parameters at base width 64; ``width``
+    w scales every layer's channels by w / 64."""
+    plan = [v if v == "M" else v * width // 64
+            for v in [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512,
+                      "M"]]
     layers: list[nn.Module] = []
     cin = channels
     for v in plan:
@@ -187,7 +219,7 @@ def vgg19(channels: int = 3, classes: int = 10) -> nn.Module:
         else:
             layers += [nn.Conv2d(cin, v, 3, padding=1), nn.BatchNorm2d(v), nn.ReLU()]
             cin = v
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes))
 
 
 class ViT(nn.Module):

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from gcomp.bench import report
+from gcomp.bench import race, report, simulate
 from gcomp.bench.methods import parse_method
 from gcomp.bench.workloads import MODELS, accuracy, load_data, loss_fn, make_model
 from gcomp.cli import main
@@ -65,22 +65,22 @@ def test_time_to_target_and_speedups_by_hand():
     rows = [row("identity", 0.5, [(10, 5.0, 0.5), (20, 10.0, 1.0)]),
             row("pactrain", 0.25, [(10, 2.5, 0.99), (20, 5.0, 1.0)]),
             row("topk", 0.1, [(10, 1.0, 0.2), (20, 2.0, 0.3)])]
-    target = report.add_derived(rows, None)
+    target = race.add_derived(rows, None)
     assert target == 0.99  # 99% of the all-reduce run's best
     assert [r["time_to_target_s"] for r in rows] == [10.0, 2.5, None]
     assert [r["steps_to_target"] for r in rows] == [20, 10, None]
     assert rows[1]["tta_speedup"] == 4.0 and rows[2]["tta_speedup"] is None
     assert rows[1]["step_speedup"] == 2.0 and rows[0]["compression"] == 4.0
     table = {line.split("|")[1].strip(): line for line in report.markdown(rows).splitlines()[2:]}
-    assert table["topk"].count("not reached") == 2, table["topk"]  # time to target and its speedup
-    assert "not reached" not in table["pactrain"] and "| 2.50 | 4.00 |" in table["pactrain"]
+    assert table["topk"].count("not reached") == 3, table["topk"]  # steps and time to target, its speedup
+    assert "not reached" not in table["pactrain"] and "| 10 | 2.50 | 4.00 |" in table["pactrain"]
 
 
 def test_without_a_target_nothing_reads_as_not_reached():
     rows = [{"method": "topk", "step_s": 0.1, "bytes_sent_per_step": 1.0, "bytes_dense_per_step": 4.0,
              "history": [{"step": 5, "train_s": 0.5, "accuracy": 0.3}], "final_accuracy": 0.3, **TIMES}]
-    assert report.add_derived(rows, None) is None  # no all-reduce run: no target
-    assert "not reached" not in report.markdown(rows) and "| — | — |" in report.markdown(rows)
+    assert race.add_derived(rows, None) is None  # no all-reduce run: no target
+    assert "not reached" not in report.markdown(rows) and "| — | — | — |" in report.markdown(rows)
 
 
 def test_a_load_above_the_worker_count_is_named_in_one_warning():
@@ -93,35 +93,50 @@ def test_a_load_above_the_worker_count_is_named_in_one_warning():
     assert "topk" not in warning and "2 workers" in warning
 
 
-def test_a_brief_unshaped_run_writes_every_output(tmp_path, capsys):
+def test_a_brief_unshaped_race_with_two_seeds_and_a_prune_sweep_writes_every_output(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["bench", "--workers", "2", "--bandwidth", "none", "--steps", "6", "--eval-every", "3",
                  "--model", "mlp:32", "--pretrain-epochs", "1", "--cache-dir", str(tmp_path / "cache"),
+                 "--seeds", "2", "--prune-ratio", "0.3,0.6",
                  "--out", str(out), "--method", "identity;pactrain:ternary=true;torch:fp16;torch:powersgd"])
     assert code == 0
     printed = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
-    runs = {r["method"]: r for r in results["runs"]}
-    assert list(runs) == ["identity", "pactrain:ternary=true", "torch:fp16", "torch:powersgd"]
-    params = runs["identity"]["parameters"]  # 64*32 + 32 + 32*10 + 10
+    runs = {(r["method"], r["seed"], r["prune_ratio"]): r for r in results["runs"]}
+    methods = [("identity", None), ("pactrain:ternary=true", 0.3), ("torch:fp16", None), ("torch:powersgd", None),
+               ("pactrain:ternary=true", 0.6)]  # the other ratio: only the method that prunes runs again
+    assert list(runs) == [(m, seed, ratio) for seed in (0, 1) for m, ratio in methods]
+    params = runs["identity", 0, None]["parameters"]  # 64*32 + 32 + 32*10 + 10
     assert params == 64 * 32 + 32 + 32 * 10 + 10
     for r in runs.values():
         assert r["steps"] == 6 and len(r["step_times"]) == 6 and len(r["history"]) == 2 and r["workers"] == 2
         assert r["bytes_dense_per_step"] == params * 4  # one bucket here (every run's model fits in 25 MB)
         assert r["step_s"] >= r["comm_s_per_step"] >= 0
-    assert runs["identity"]["bytes_sent_per_step"] == params * 4
-    assert runs["torch:fp16"]["bytes_sent_per_step"] == params * 2
-    assert runs["torch:powersgd"]["one_bucket"] and "(one bucket)" in printed
-    assert runs["pactrain:ternary=true"]["kept_fraction"] < 0.6
+    assert runs["identity", 0, None]["bytes_sent_per_step"] == params * 4
+    assert runs["torch:fp16", 1, None]["bytes_sent_per_step"] == params * 2
+    assert runs["torch:powersgd", 0, None]["one_bucket"] and "(one bucket)" in printed
+    kept = {ratio: runs["pactrain:ternary=true", 0, ratio]["kept_fraction"] for ratio in (0.3, 0.6)}
+    assert kept[0.6] < 0.45 < kept[0.3] < 0.75  # each run pruned at its own ratio (biases are kept)
+    assert runs["identity", 0, None]["history"] != runs["identity", 1, None]["history"] or \
+        runs["identity", 0, None]["losses"] != runs["identity", 1, None]["losses"]  # another seed, another run
     with open(out / "results.csv") as fh:
-        assert [r["method"] for r in csv.DictReader(fh)] == list(runs)
-    assert "| identity |" in printed and results["meta"]["network"].startswith("unshaped")
+        assert [(r["method"], r["seed"]) for r in csv.DictReader(fh)] == [(m, str(s)) for m, s, _ in runs]
+    summary = [(e["method"], e["prune_ratio"], e["seeds"]) for e in results["summary"]]
+    assert summary == [(m, ratio, 2) for m, ratio in methods]
+    assert "| pactrain:ternary=true @0.6 |" in printed and "TTA vs all-reduce" in printed
+    assert results["meta"]["network"].startswith("unshaped") and "2 seeds (median and range)" in printed
     for load in [results["meta"]["load_average"]] + [r["load_average"] for r in runs.values()]:
         assert set(load) == {"start", "end"} and all(v >= 0 for v in load.values())
-    for png in ("accuracy_vs_time.png", "time_to_accuracy.png", "bytes_per_step.png", "time_breakdown.png"):
+    for png in ("accuracy_vs_time.png", "time_to_accuracy.png", "bytes_per_step.png", "time_breakdown.png",
+                "prune_ratio_sweep.png"):
         assert (out / png).stat().st_size > 1000
-    # the pre-training is cached: a second run loads it
-    assert any(tmp_path.joinpath("cache").glob("pretrained-*.pt"))
+    assert not (out / "bandwidth_sweep.png").exists()  # one bandwidth: no sweep plot
+    # the pre-training is cached, once per seed
+    assert len(list(tmp_path.joinpath("cache").glob("pretrained-*.pt"))) == 2
+    # gcomp simulate reads the sweep's results.json, one method per prune ratio
+    assert simulate.main(["--results", str(out / "results.json"), "--workers", "8", "--bandwidth", "1gbit"]) == 0
+    projected = json.loads((out / "simulate.json").read_text())["rows"]
+    assert {"pactrain:ternary=true @0.3", "pactrain:ternary=true @0.6"} <= {r["method"] for r in projected}
 
 
 def test_bad_bench_arguments_fail_before_any_worker(tmp_path, capsys):
@@ -152,11 +167,15 @@ def test_a_brief_shaped_run_goes_through_namespaces_or_says_why_not(tmp_path, ca
     if not ok:
         pytest.skip(why)
     out = tmp_path / "shaped"
-    assert main(["bench", "--workers", "2", "--bandwidth", "1gbit", "--steps", "4", "--eval-every", "2",
-                 "--model", "mlp:32", "--pretrain-epochs", "0", "--out", str(out), "--method", "identity"]) == 0
+    assert main(["bench", "--workers", "2", "--bandwidth", "1gbit,500mbit", "--steps", "4", "--eval-every", "2",
+                 "--model", "mlp:32", "--pretrain-epochs", "0", "--out", str(out), "--method", "identity;fp16"]) == 0
+    printed = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["network"].startswith("shaped: 2 namespaces")
-    [run] = results["runs"]
-    assert run["bandwidth"] == "1gbit" and run["bandwidth_bps"] == 1e9 and run["steps"] == 4
+    assert [(r["method"], r["bandwidth"], r["bandwidth_bps"]) for r in results["runs"]] == [
+        ("identity", "1gbit", 1e9), ("fp16", "1gbit", 1e9), ("identity", "500mbit", 5e8), ("fp16", "500mbit", 5e8)]
+    assert all(r["steps"] == 4 for r in results["runs"]) and "### 500mbit" in printed
+    assert [e["tta_speedup"] for e in results["summary"] if e["method"] == "identity"] == [1.0, 1.0]
+    assert (out / "bandwidth_sweep.png").stat().st_size > 1000
     mine = netem.PREFIX + f"{os.getpid() % 10**7:07d}"  # the names this process gave its namespaces
     assert not [n for n in netem.namespace_names() if n.startswith(mine)]

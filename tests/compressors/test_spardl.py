@@ -205,7 +205,7 @@ def _expected_bytes(world: int, teams: int, numel: int, density: float) -> tuple
     return total, messages
 
 
-SPARDL_WORLDS = [2, 3, 5, 6, 7]
+SPARDL_WORLDS = [2, 3, 5, 6]  # non-powers of two with and without teams; 7 ranks cost 30 s on 2 cores for no new path
 
 
 @pytest.mark.parametrize("world", SPARDL_WORLDS)
