@@ -32,7 +32,7 @@ def all_plots(runs: list[dict], entries: list[dict], out: Path) -> dict[str, Pat
         "breakdown": _breakdown(plt, at_first, len(ratios) > 1, out),
     }
     if len({r.get("bandwidth") for r in runs}) > 1:
-        made["bandwidth_sweep"] = _bandwidth_sweep(plt, entries, out)
+        made["bandwidth_sweep"] = _bandwidth_sweep(plt, entries, len(ratios) > 1, out)
     if len(ratios) > 1:
         made["prune_sweep"] = _prune_sweep(plt, at_first, out)
     return made
@@ -58,7 +58,10 @@ def _accuracy(plt, runs, with_ratio, out):
 
 
 def _errors(entries, key):
-    """Error bars (below, above) from each entry's range over seeds; zero where it has none or never reached."""
+    """Error bars (below, above) from each entry's range over seeds; zero where it has none or never reached;
+    None (no bars) where no entry summarises several seeds."""
+    if all(e.get("seeds", 1) < 2 for e in entries):
+        return None
     low, high = [], []
     for e in entries:
         span = e.get("ranges", {}).get(key)
@@ -112,14 +115,14 @@ def _breakdown(plt, entries, with_ratio, out):
     return _save(fig, out / "time_breakdown.png", plt)
 
 
-def _bandwidth_sweep(plt, entries, out):
+def _bandwidth_sweep(plt, entries, with_ratio, out):
     """Time to accuracy over all-reduce's, per method (bars) at each bandwidth (groups): PacTrain's Fig. 3."""
     bandwidths = list(dict.fromkeys(e["bandwidth"] for e in entries))
-    methods = list(dict.fromkeys(_label(e, True) for e in entries))
+    methods = list(dict.fromkeys(_label(e, with_ratio) for e in entries))
     width = 0.8 / max(len(methods), 1)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for j, method in enumerate(methods):
-        mine = [next((e for e in entries if e["bandwidth"] == b and _label(e, True) == method), None)
+        mine = [next((e for e in entries if e["bandwidth"] == b and _label(e, with_ratio) == method), None)
                 for b in bandwidths]
         xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(bandwidths))]
         heights = [e["tta_speedup"] if e and e.get("tta_speedup") is not None else float("nan") for e in mine]

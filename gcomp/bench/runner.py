@@ -225,6 +225,9 @@ def run(config: BenchConfig, out: Path, log=print) -> tuple[list[dict], str]:
         rows += point_rows
         networks.append(network)
     unique = list(dict.fromkeys(networks))
+    if len(unique) > 1 and all(n.startswith("shaped:") for n in unique):
+        return rows, (f"shaped: {config.workers} namespaces, veth + tc tbf per link at "
+                      f"{', '.join(config.bandwidths())}")
     return rows, unique[0] if len(unique) == 1 else "; ".join(unique)
 
 

@@ -215,6 +215,12 @@ class MaskTracker:
         track.support = support
         track.mask_digest, track.unchecked = self._mask_digest(info), 0
         track.mode = DENSE if support.kept > self.dense_above * support.numel else PACKED
+        if track.mode == DENSE and any(m is not None for m in self._masks(info)):
+            # a pruned bucket that still keeps too much to pack: said once, when its support freezes
+            warnings.warn(f"{self.label}: bucket {info.index} keeps {support.kept / support.numel:.0%} of its "
+                          f"entries after pruning, more than dense_above={self.dense_above}: it travels as a plain "
+                          "dense all-reduce, neither packed nor ternarised; prune more or raise dense_above to pack "
+                          "it", UserWarning, stacklevel=3)
 
     def _count(self, key: str) -> None:
         if key in self.stats:

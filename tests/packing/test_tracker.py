@@ -133,7 +133,14 @@ def test_dense_above_is_a_strict_threshold(kept, mode):
         return prune.custom_from_mask(model, "weight", (torch.arange(8) < kept).float().reshape(1, 8))
 
     ranks = Ranks(1, stable_steps=1, dense_above=0.5, build=build)
-    assert ranks.steps(_info(ranks.models[0], ["weight_orig"]), 3) == [TRACKING, TRACKING, mode]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ranks.steps(_info(ranks.models[0], ["weight_orig"]), 3) == [TRACKING, TRACKING, mode]
+    said = [str(w.message) for w in caught if "dense_above" in str(w.message)]
+    # a pruned bucket that goes dense says so once (its ternary, if any, does not apply); a packed one says nothing
+    assert said == ([] if mode == PACKED else ["pactrain: bucket 0 keeps 62% of its entries after pruning, more "
+                                               "than dense_above=0.5: it travels as a plain dense all-reduce, neither "
+                                               "packed nor ternarised; prune more or raise dense_above to pack it"])
 
 
 def test_without_a_model_every_entry_is_kept_and_the_bucket_goes_dense():
