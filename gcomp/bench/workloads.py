@@ -1,7 +1,8 @@
 """Benchmark workloads: models defined here (there is no CPU torchvision) and datasets that need no download.
 
 Models (``MODELS``): ``mlp`` (hidden widths as ``mlp:1024,1024``), ``resnet18`` and ``vgg19`` in their CIFAR
-form (a narrower base width as ``resnet18:16``: the communication-bound vision workload on this machine), ``vit`` (a small vision transformer), ``charlm`` (a small character-level Transformer language model).
+form (a narrower base width as ``resnet18:16``: the communication-bound vision workload on this machine),
+``vit`` (a small vision transformer), ``charlm`` (a small character-level Transformer language model).
 Datasets (``DATASETS``): ``digits`` (scikit-learn's bundled 8x8 handwritten digits), ``digits-transfer`` (the
 same images split by class: pre-training sees only the digits 0-4, fine-tuning and testing only 5-9), ``text``
 (the pydoc topics text Python ships, as characters), ``cifar10``/``cifar100`` (the standard python-pickle batches,

@@ -227,7 +227,8 @@ class PacTrainCompressor(ChainedCompressor):
 @register("pactrain", paper="Wang, Wu, Li, Kutscher 2025 (PacTrain, arXiv 2505.18563)")
 def pactrain(
     ternary: Annotated[bool, "ternarise the packed entries (shared per-parameter scale, integer lanes)"] = False,
-    stable_steps: Annotated[int, Range(1, None), "steps a bucket's masks must stay unchanged before packing"] = 5,
+    stable_steps: Annotated[int, Range(1, None), "steps a bucket's masks must stay unchanged before packing "
+                                             "(masks changed after install; those of install pack after one step)"] = 5,
     dense_above: Annotated[float, Range(0, 1), "keep a bucket dense when its support keeps more than this"] = 0.9,
     clip: Annotated[float, Range(0, None), "ternary: clip at clip * std per parameter (TernGrad: 2.5; 0 off)"] = 0.0,
     error_feedback: Annotated[bool, "ternary: add what ternarising lost to the next step"] = False,

@@ -31,7 +31,8 @@ class PruneXCompressor(HierarchicalCompressor):
 def prunex(
     ranks_per_node: Annotated[int, Range(0, None), "ranks per node; 0: from torchrun or host names"] = 0,
     ternary: Annotated[bool, "ternarise the compacted inter-node payload (as pactrain's ternary)"] = False,
-    stable_steps: Annotated[int, Range(1, None), "steps a bucket's masks must stay unchanged before compacting"] = 5,
+    stable_steps: Annotated[int, Range(1, None), "steps a bucket's masks must stay unchanged before compacting "
+                                             "(masks changed after install; those of install: one step)"] = 5,
     dense_above: Annotated[float, Range(0, 1), "send a bucket uncompacted when it keeps more than this"] = 1.0,
     check_every: Annotated[int, Range(0, None), "compare a compacted bucket's masks with those it froze on every "
                                                 "this many steps (edits through .data; 0: never)"] = 10,

@@ -8,6 +8,12 @@ so ranks never disagree on which collective comes next:
   would freeze. After ``stable_steps`` steps in which no rank's masks changed, the support is built from the
   weight masks (never from a rank's own gradient zeros, which differ across ranks) and its digest is sent;
   the next step freezes it if every rank's digest matched, or warns and tracks on if not.
+  Masks that are the very ones the tracker was bound with (``install``), unchanged since, need no waiting:
+  a bucket's first step already sends its candidate, so it travels packed from its second step (DDP's
+  final buckets: the second step the method sees, the third of training by default). That one step is the
+  agreement every rank needs before any packs, taken without a collective of the method's own. A rank
+  whose masks changed since install offers no candidate; the others see a candidate count of 0 beside
+  theirs, count it as a change, and every rank tracks as above.
 - ``packed``: only the support goes, densely packed, with one extra entry: how many ranks saw their masks
   change (SUM; in ``pactrain``'s ternary path a flag slot of the MAX-reduced scales: whether any did). Any change sends every rank back to ``tracking`` at the next step (a warning, ``unfreezes``).
 - ``dense``: the frozen support keeps more than ``dense_above`` of the bucket (say, a bucket of biases and
@@ -51,6 +57,7 @@ class BucketTrack:
     buffers: dict = field(default_factory=dict)  # the method's per-bucket buffers, dropped with the support
     mask_digest: torch.Tensor | None = None  # a packed bucket's masks as they were when it froze
     unchecked: int = 0  # packed steps since the masks were last compared with ``mask_digest``
+    fresh: bool = False  # made for a new layout, not restored: its first step may send a candidate at once
 
 
 class MaskTracker:
@@ -70,11 +77,14 @@ class MaskTracker:
         self.stats: dict = {}
         self.tracks: dict[str, BucketTrack] = {}
         self._restored: dict[str, dict] = {}  # checkpointed tracks, taken up when their layout comes back
+        self._installed: dict[str, tuple] = {}  # each mask's (identity, version) when the tracker was bound
 
     def bind(self, model: nn.Module | None, stats: dict) -> None:
         self.model, self.stats = model, stats
+        masks = named_masks(model) if model is not None else {}
+        self._installed = {name: (id(mask), mask._version) for name, mask in masks.items()}
         # prunex is installed before its structured prune (ADMM's hard prune, mid-training): no warning there
-        if model is not None and self.label == "pactrain" and not named_masks(model):
+        if model is not None and self.label == "pactrain" and not masks:
             warnings.warn(f"{self.label}: the model has no pruning masks (torch.nn.utils.prune), so every bucket "
                           "goes as a dense all-reduce until masks appear; prune it first (gcomp.pruning.prune)",
                           UserWarning, stacklevel=3)
@@ -107,6 +117,12 @@ class MaskTracker:
         signature = self._signature(info)
         changed_here = track.signature is not None and signature != track.signature
         track.signature = signature
+        if track.fresh:
+            track.fresh = False
+            if any(s is not None for s in signature):  # a bucket of pruned parameters
+                if signature == tuple(self._installed.get(n) for n in info.names):
+                    track.candidate = self._build(info, device)  # its digest goes with this step's flags
+                    return track, changed_here
         if track.mode == DENSE:
             return track, changed_here
         if track.mode == PACKED and self.check_every:
@@ -169,7 +185,7 @@ class MaskTracker:
         """
         saved = self._restored.pop(info.key, None)
         if saved is None:
-            return BucketTrack()
+            return BucketTrack(fresh=True)
         support = self._build(info, device) if "digest" in saved else None
         if support is not None and not torch.equal(support.digest.cpu(), saved["digest"].cpu()):
             return BucketTrack()
@@ -241,7 +257,10 @@ class MaskTracker:
     def receive_flags(track: BucketTrack, flags: torch.Tensor) -> None:
         """Keep what a tracking step received (MAX over ranks), to be read at the next step."""
         agree = (flags[1:3] == -flags[3:5]).all()
-        track.pending = _to_host(torch.stack([flags[0] > 0, agree]))
+        # a rank that offered no candidate (count 0) beside one that did: its masks changed since install,
+        # so this counts as a change (tracking restarts), not as ranks holding different masks
+        offered_by_some = (flags[2] > 0) & (flags[4] == 0)
+        track.pending = _to_host(torch.stack([(flags[0] > 0) | offered_by_some, agree]))
 
     @staticmethod
     def receive_changed(track: BucketTrack, changed: torch.Tensor) -> None:

@@ -351,39 +351,44 @@ def test_ternary_packed_steps_send_lane_bits_per_kept_entry(world):
 # --- the mask tracker in DDP -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, warmup", [("basic", 1), ("static", 2)])
-def test_never_packs_before_the_buckets_are_final(name, warmup):
-    """Nothing is packed during the hook's warm-up (DDP's rebuild: 1 step, 2 with static_graph) nor in the
-    ``stable_steps`` (5) + 1 tracking steps on the final layout after it; packing starts right then."""
-    first = warmup + 5 + 1
+def test_packs_from_the_second_step_on_the_final_buckets(name, warmup):
+    """Nothing is packed during the hook's warm-up (DDP's rebuild: 1 step, 2 with static_graph) nor in the one
+    step on the final layout that agrees on the supports; the masks were pruned before install and never
+    change, so there is no waiting for ``stable_steps`` (5): every bucket packs from the next step on."""
+    first = warmup + 1
     for run in _runs(2, name):
         history = run["history"]
         assert [h["packed_buckets"] for h in history[:first]] == [0] * first
-        assert history[first]["packed_buckets"] > 0
+        packed = [b - a for a, b in zip([0] + [h["packed_buckets"] for h in history], [h["packed_buckets"]
+                                                                                        for h in history])]
+        assert set(packed[first:]) == {history[first]["packed_buckets"]} and packed[first] > 0  # all, each step
         assert history[-1]["warmup_steps"] == warmup
         assert history[first - 1]["layouts"] == history[-1]["layouts"] == len(run["layouts"]) == 3
 
 
 def test_survives_the_rebuild():
     """With the warm-up cut to 0 the tracker sees DDP's initial one-bucket layout, then the 3 rebuilt ones, and
-    tracks the new ones from scratch: packing starts at step 1 + stable_steps (2) + 1."""
+    tracks the new ones from scratch: their masks are those of install, so after one agreeing step on the
+    rebuilt layout (step 1) both pruned buckets pack from step 2."""
     for run in _runs(2, "rebuild"):
         history = run["history"]
         assert history[0]["layouts"] == 1 and history[-1]["layouts"] == 4
-        assert [h["packed_buckets"] for h in history[:4]] == [0] * 4
-        assert history[4]["packed_buckets"] == 2
+        assert [h["packed_buckets"] for h in history[:2]] == [0] * 2
+        assert history[2]["packed_buckets"] == 2 and history[3]["packed_buckets"] == 4
 
 
 def test_a_rank_with_other_masks_is_detected_and_sent_dense():
-    """Rank 1 holds other masks from the hook's first step (changed after DDP is built, with NO_SYNC): every
-    candidate support's digest differs, so every rank warns, counts a mismatch per packable bucket and check
-    (each stable_steps + 1 = 3 steps: 3 checks in 11 steps), never packs and never freezes those buckets (the
-    unpruned bucket, the same on every rank, freezes into dense mode). Equality with plain DDP:
+    """Rank 1 holds other masks from the hook's first step (changed after DDP is built, with NO_SYNC, before
+    install): every candidate support's digest differs, so every rank warns, counts a mismatch per packable
+    bucket and check, never packs and never freezes those buckets (the unpruned bucket, the same on every
+    rank, freezes into dense mode). The first check comes one step after the warm-up (masks as installed:
+    no waiting), then one every stable_steps + 1 = 3 steps: 4 checks in 11 steps. Equality with plain DDP:
     test_lossless_training_equals_plain_ddp."""
     for run in _runs(2, "mismatch"):
         last = run["history"][-1]
         assert last["packed_buckets"] == 0 and last["freezes"] == 1 and last["unfreezes"] == 0
-        assert last["mask_mismatches"] == 3 * 2
-        assert sum("different masks" in w for w in run["warnings"]) == 3 * 2
+        assert last["mask_mismatches"] == 4 * 2
+        assert sum("different masks" in w for w in run["warnings"]) == 4 * 2
 
 
 def test_one_rank_changing_its_masks_falls_back_to_dense():

@@ -40,12 +40,17 @@ class Ranks:
     """``world`` simulated ranks, each with its own copy of the model (``build()``) and its own tracker."""
 
     def __init__(self, world: int, stable_steps: int = 2, dense_above: float = 0.9,
-                 build: Callable[[], nn.Module] = _model, check_every: int = 10):
+                 build: Callable[[], nn.Module] = _model, check_every: int = 10, as_installed: bool = False):
+        """``as_installed``: the masks stay those the trackers were bound with (packed after one step);
+        otherwise every mask is touched after binding (its version bumped, its contents as they were), so the
+        trackers wait ``stable_steps`` as for masks that change during training."""
         self.models = [build() for _ in range(world)]
         self.stats = [{k: 0 for k in STATS} for _ in range(world)]
         self.trackers = [MaskTracker(stable_steps, dense_above, check_every=check_every) for _ in range(world)]
         for tracker, m, s in zip(self.trackers, self.models, self.stats):
             tracker.bind(m, s)
+            if not as_installed:
+                _touch(m)
         self.tracks: list = []
 
     def step(self, info: BucketInfo) -> str:
@@ -79,6 +84,14 @@ def _support(model: nn.Module, names: list[str]) -> torch.Tensor:
     masks = {n + "_orig": b for n, b in ((n.removesuffix("_mask"), b) for n, b in model.named_buffers())}
     return torch.cat([(masks[n] != 0).reshape(-1) if n in masks else torch.ones(params[n].numel(), dtype=torch.bool)
                       for n in names])
+
+
+def _touch(model: nn.Module) -> None:
+    """Bump every mask's version, its contents unchanged (as re-writing it in place would)."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("_mask"):
+                buffer.mul_(1)
 
 
 def _edit_in_place(model: nn.Module, count: int = 3) -> None:
@@ -322,3 +335,35 @@ def test_check_every_zero_turns_the_check_off():
     ranks.steps(info, 4)
     _edit_through_data(ranks.models[1], 0.0)
     assert ranks.steps(info, 20) == [PACKED] * 20
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_masks_as_installed_travel_packed_from_the_second_step(world):
+    ranks = Ranks(world, stable_steps=5, as_installed=True)
+    info = _info(ranks.models[0], BUCKET)
+    first, changed = ranks.trackers[0].decide(info, "cpu")
+    flags = MaskTracker.flags(first, changed, "cpu")
+    assert flags[2] == int(_support(ranks.models[0], BUCKET).sum())  # the candidate goes with the first step
+    for t in ranks.trackers[1:]:
+        t.decide(info, "cpu")
+    everyone = torch.stack([MaskTracker.flags(t.tracks[info.key], False, "cpu") for t in ranks.trackers]).amax(0)
+    for t in ranks.trackers:
+        MaskTracker.receive_flags(t.tracks[info.key], everyone.clone())
+    assert ranks.steps(info, 3) == [PACKED] * 3  # not after stable_steps (5): no mask changed since install
+    assert ranks.stat("freezes") == 1 and ranks.stat("mask_mismatches") == 0
+
+
+def test_one_rank_whose_masks_changed_since_install_holds_every_rank_back_without_a_false_alarm():
+    ranks = Ranks(3, stable_steps=2, as_installed=True)
+    _touch(ranks.models[1])  # same contents, but not the masks it was installed with
+    info = _info(ranks.models[0], BUCKET)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        modes = ranks.steps(info, 7)  # every step asserts that the ranks agree on the mode
+    assert modes[:2] == [TRACKING, TRACKING] and PACKED in modes  # tracked as for changed masks, then packed
+    assert ranks.stat("mask_mismatches") == 0 and not [w for w in caught if "different masks" in str(w.message)]
+
+
+def test_an_unpruned_bucket_waits_as_before_even_as_installed():
+    ranks = Ranks(2, stable_steps=2, as_installed=True)
+    assert ranks.steps(_info(ranks.models[0], ["1.bias", "0.bias"]), 5) == [TRACKING] * 3 + [DENSE] * 2
