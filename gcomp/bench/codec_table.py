@@ -7,7 +7,13 @@ copy and only the method's own work remains), the hook reduces one fp32 bucket, 
 - ``encode + decode / copy``: the hook's own timers (compress with error feedback, then decode), per bucket;
   methods that do their work inside the exchange (the point-to-point schedules) show it in the next column;
 - ``reduce / copy``: the whole reduction of the bucket on one rank (encode, local collectives, decode);
-- ``bits per entry``: the bytes the method hands to collectives per bucket entry, times 8, on one rank.
+- ``bits per entry``: the bytes the method hands to collectives per bucket entry, times 8, on one rank;
+- ``floor``: the memory traffic any codec with that output must pay, as a multiple of one copy (read 4 and
+  write 4 bytes per entry): the bucket read once by the encoder and written once by the decoder, the payload
+  written once and read once (``bits`` each way), and, for a method whose memory keeps a residual, that
+  residual read and written once more: ``1 + bits / 32`` plus 1 with such a memory; 0 for ``identity``, which
+  hands the bucket over as it is. Residuals a compressor keeps itself are not counted (a lower floor). The
+  distance between ``encode + decode / copy`` and the floor is what a codec could still gain.
 
 ``pactrain`` runs on a bucket pruned at random at 0.5 and ``prunex`` on one with half its rows pruned, both
 after their tracker froze the support; every other method on a dense random bucket. Times are wall-clock
@@ -94,9 +100,18 @@ def measure(name: str, numel: int, repeats: int, generator: torch.Generator) -> 
     codec = (state.stats["encode_s"] + state.stats["decode_s"] - before["encode_s"] - before["decode_s"]) / calls
     sent = (state.stats["bytes_sent"] - before["bytes_sent"]) / calls
     copy_s = times["copy"]
+    bits = 8 * sent / numel
     return {"method": name, "size_mb": numel * 4 / 2**20, "copy_s": copy_s, "codec_s": codec,
             "codec_ratio": codec / copy_s, "reduce_s": times["reduce"] - copy_s,  # less the refill of the bucket
-            "reduce_ratio": (times["reduce"] - copy_s) / copy_s, "bits_per_entry": 8 * sent / numel}
+            "reduce_ratio": (times["reduce"] - copy_s) / copy_s, "bits_per_entry": bits,
+            "floor": floor(name, bits, state.method.memory.stateful)}
+
+
+def floor(name: str, bits_per_entry: float, residual: bool) -> float:
+    """The least memory traffic of a codec sending ``bits_per_entry``, in copies of the bucket (module doc)."""
+    if name == "identity":
+        return 0.0
+    return 1.0 + bits_per_entry / 32 + (1.0 if residual else 0.0)
 
 
 def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, log=print) -> list[dict]:
@@ -120,12 +135,13 @@ def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, 
 
 def markdown(rows: list[dict]) -> str:
     sizes = sorted({r["size_mb"] for r in rows})
-    head = ("| method | bits per entry | " + " | ".join(f"encode+decode / copy, {s:g} MB" for s in sizes) + " | "
-            + " | ".join(f"reduce / copy, {s:g} MB" for s in sizes) + " |")
+    head = ("| method | bits per entry | floor | " + " | ".join(f"encode+decode / copy, {s:g} MB" for s in sizes)
+            + " | " + " | ".join(f"reduce / copy, {s:g} MB" for s in sizes) + " |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for name in dict.fromkeys(r["method"] for r in rows):
         mine = {r["size_mb"]: r for r in rows if r["method"] == name}
-        bits = mine[sizes[-1]]["bits_per_entry"]
-        lines.append(f"| {name} | {bits:.3g} | " + " | ".join(f"{mine[s]['codec_ratio']:.2f}" for s in sizes)
+        bits, least = mine[sizes[-1]]["bits_per_entry"], mine[sizes[-1]]["floor"]
+        lines.append(f"| {name} | {bits:.3g} | {least:.2f} | "
+                     + " | ".join(f"{mine[s]['codec_ratio']:.2f}" for s in sizes)
                      + " | " + " | ".join(f"{mine[s]['reduce_ratio']:.2f}" for s in sizes) + " |")
     return "\n".join(lines)

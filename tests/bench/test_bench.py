@@ -156,8 +156,12 @@ def test_codec_table_reports_ratios_to_a_copy_and_bits_per_entry(tmp_path, capsy
     assert bits["topk"] == pytest.approx(64 * 0.01, rel=0.01)  # value + int32 index for 1% of the entries
     assert 15 < bits["pactrain"] < 17  # the kept half, packed, plus one flag entry
     assert all(r["copy_s"] > 0 and r["codec_ratio"] >= 0 for r in rows)
+    floors = {r["method"]: r["floor"] for r in rows if r["size_mb"] == 0.25}
+    assert floors["identity"] == 0 and floors["fp16"] == 1.5  # the bucket read and written, 16 bits each way
+    assert floors["topk"] == pytest.approx(1 + 0.64 / 32 + 1, rel=0.01)  # plus its residual, read and written
+    assert floors["pactrain"] == pytest.approx(1 + bits["pactrain"] / 32)
     printed = capsys.readouterr().out
-    assert "| topk | 0.64 |" in printed and (out / "codec.csv").exists()
+    assert "| topk | 0.64 | 2.02 |" in printed and (out / "codec.csv").exists()
     assert main(["bench", "--codec", "--method", "topkk", "--out", str(out)]) == 2
 
 
