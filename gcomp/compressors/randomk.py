@@ -32,7 +32,7 @@ class RandomKCompressor(Compressor):
     def compress(self, tensor, bucket):
         n = tensor.numel()
         k = max(1, int(n * self.ratio))
-        index = torch.randperm(n, generator=self.generator)[:k].to(tensor.device, non_blocking=True)
+        index = uniform_subset(n, k, self.generator).to(tensor.device, non_blocking=True)
         wire = tensor.new_empty(k + 1)
         torch.index_select(tensor, 0, index, out=wire[:k])
         finite = torch.isfinite(tensor).all()
@@ -57,6 +57,23 @@ class RandomKCompressor(Compressor):
 
     def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
         return every[0]
+
+
+def uniform_subset(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """``k`` distinct positions of ``range(n)``, every k-subset (and every order of it) equally likely, drawn
+    from ``generator``: the first ``k`` distinct values of a stream of uniform draws with replacement.
+    For a small ``k`` this sorts about ``k`` draws instead of permuting all ``n`` positions."""
+    if 4 * k > n:
+        return torch.randperm(n, generator=generator)[:k]
+    draws = torch.empty(0, dtype=torch.int64)
+    while True:  # rounds, not elements: one round almost always (about k^2 / 2n repeats against k / 8 spare)
+        draws = torch.cat([draws, torch.randint(n, (k + k // 8 + 16,), generator=generator)])
+        values, inverse = torch.unique(draws, return_inverse=True)
+        if values.numel() >= k:
+            break
+    first = torch.full((values.numel(),), draws.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(draws.numel()), "amin")
+    return values[first.argsort()[:k]]
 
 
 @register("randomk", paper="Stich, Cordonnier, Jaggi 2018 (Sparsified SGD with memory: random-k)")

@@ -14,7 +14,7 @@ from torch import nn
 
 import gcomp
 from gcomp import BucketInfo
-from gcomp.compressors.randomk import RandomKCompressor
+from gcomp.compressors.randomk import RandomKCompressor, uniform_subset
 from tests.distributed import run_ranks
 from tests.models import ddp, flat_params, mlp, teacher_labels
 
@@ -185,3 +185,27 @@ def test_randomk_lowers_the_loss_on_4_ranks():
     (measured 0.33). Wider than dense because each step applies only the drawn fraction of the gradient; the
     rest waits in the residual and arrives, a step or more late, when its position is drawn."""
     check_convergence([("randomk", {"ratio": 0.3}, 0.35), ("randomk", {"ratio": 0.1}, 0.15)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 5000), fraction=st.floats(0.0, 1.0), seed=st.integers(0, 2**31 - 1))
+def test_uniform_subset_draws_k_distinct_positions_reproducibly(n, fraction, seed):
+    k = max(1, int(n * fraction))
+    a = uniform_subset(n, k, torch.Generator().manual_seed(seed))
+    b = uniform_subset(n, k, torch.Generator().manual_seed(seed))
+    assert a.numel() == k and a.unique().numel() == k and int(a.min()) >= 0 and int(a.max()) < n
+    assert torch.equal(a, b)  # the same generator state, the same draw: what keeps ranks in step
+
+
+def test_uniform_subset_is_uniform_over_ordered_draws():
+    """Small k (the sparse path, not randperm): every ordered pair of 12 positions about equally often."""
+    g = torch.Generator().manual_seed(3)
+    counts = torch.zeros(12, 12)
+    for _ in range(13_200):
+        i, j = uniform_subset(12, 2, g).tolist()
+        counts[i, j] += 1
+    off = counts[~torch.eye(12, dtype=torch.bool)]
+    assert counts.diagonal().sum() == 0 and off.numel() == 132
+    expected = 13_200 / 132  # 100 per ordered pair
+    chi2 = float(((off - expected) ** 2 / expected).sum())
+    assert chi2 < 200, chi2  # 131 degrees of freedom: mean 131, above 200 with probability under 1e-4
