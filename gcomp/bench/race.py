@@ -40,13 +40,18 @@ def race_key(row: dict) -> tuple:
     return row.get("bandwidth"), row.get("seed")
 
 
+def _grouped(rows: list[dict], key) -> dict[tuple, list[dict]]:
+    """The rows by ``key(row)``, groups and rows in the order they come."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[key(r)].append(r)
+    return groups
+
+
 def add_derived(rows: list[dict], target: float | None) -> float | None:
     """Adds the target, time and steps to it, compression and speedups to every run, race by race. Returns the
     target (the first race's where the races set different ones)."""
-    races: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        races[race_key(r)].append(r)
-    targets = [_derive_race(race, target) for race in races.values()]
+    targets = [_derive_race(race, target) for race in _grouped(rows, race_key).values()]
     return targets[0] if targets else target
 
 
@@ -73,11 +78,8 @@ SHORT_RACE_EVALS = 3  # a baseline at the target before its 3rd evaluation: the 
 def short_race_warning(rows: list[dict]) -> str | None:
     """One line when a race's all-reduce run met its target within its first evaluations (time to accuracy
     then measures little more than step time), or None. Call :func:`add_derived` first."""
-    races: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        races[race_key(r)].append(r)
     short = []
-    for (bandwidth, seed), race in races.items():
+    for (bandwidth, seed), race in _grouped(rows, race_key).items():
         base = baseline(race)
         if base is None or base.get("steps_to_target") is None:
             continue
@@ -103,10 +105,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     its median over the seeds, ``ranges`` (min, max) for each, ``seeds`` and ``reached`` (how many seeds met
     the target), and the verdicts against all-reduce and the best of PyTorch's hooks (``None`` for one seed).
     Call :func:`add_derived` first."""
-    entries: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        entries[entry_key(r)].append(r)
-    summary = [_entry(runs) for runs in entries.values()]
+    summary = [_entry(runs) for runs in _grouped(rows, entry_key).values()]
     for bandwidth in dict.fromkeys(e["bandwidth"] for e in summary):
         _add_verdicts([e for e in summary if e["bandwidth"] == bandwidth])
     return summary

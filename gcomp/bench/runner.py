@@ -28,7 +28,6 @@ from gcomp.bench.workloads import MODELS, accuracy, load_data, loss_fn, make_mod
 DEFAULT_METHODS = ("identity", "fp16", "topk:ratio=0.01", "terngrad", "pactrain", "pactrain:ternary=true",
                    "torch:allreduce", "torch:fp16", "torch:powersgd")
 PRUNE_METHODS = ("grasp", "magnitude", "random")  # gcomp.pruning.prune's methods
-SEED_STRIDE = 1  # seed i of a --seeds run is seed + i * SEED_STRIDE
 
 
 @dataclass
@@ -125,7 +124,7 @@ class BenchConfig:
         return list(self.prune_ratio) if isinstance(self.prune_ratio, (list, tuple)) else [self.prune_ratio]
 
     def seed_list(self) -> list[int]:
-        return [self.seed + i * SEED_STRIDE for i in range(self.seeds)]
+        return list(range(self.seed, self.seed + self.seeds))
 
     def jobs(self) -> list[dict]:
         """What one launch of the workers runs, in order: every method for every seed at the first prune

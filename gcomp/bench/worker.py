@@ -188,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             path = config["pretrained"].get(str(seed))
             if path and path not in weights:
                 weights[path] = torch.load(path, weights_only=True)
+            method = parse_method(text)
             tags = [f"seed {seed}"] if len(config["pretrained"]) > 1 else []
-            if parse_method(text).prunes:
+            if method.prunes:
                 tags.append(f"prune ratio {job['prune_ratio']}")
             log(f"== {text}" + (f"  ({', '.join(tags)})" if tags else ""))
             load_start = os.getloadavg()[0]
-            row = run_method(parse_method(text), {**config, **job}, data, weights.get(path), log)
+            row = run_method(method, {**config, **job}, data, weights.get(path), log)
             row["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}  # 1 minute, this machine
             rows.append(row)
         if rank == 0:
