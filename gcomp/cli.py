@@ -36,12 +36,14 @@ def _bench(args) -> int:
         return _codec(args)
     config = runner.BenchConfig()
     for key in ("dataset", "model", "workers", "bandwidth", "steps", "batch", "lr", "seed", "seeds", "eval_every",
-                "pretrain_epochs", "prune_method", "target_accuracy", "data_dir", "cache_dir"):
+                "pretrain_epochs", "prune_method", "target_accuracy", "data_dir", "cache_dir", "device", "backend"):
         value = getattr(args, key)
         if value is not None:
             setattr(config, key, value)
     if args.method:
         config.methods = [m for item in args.method for m in item.split(";") if m]
+    if config.backend == "nccl" and args.bandwidth is None:
+        config.bandwidth = "none"  # tc shapes TCP links, not NCCL's (runner.BenchConfig.check says why)
     out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
     load_start = os.getloadavg()[0]
     try:
@@ -90,19 +92,32 @@ def _codec(args) -> int:
 
     from gcomp.bench import codec_table
     methods = [m for item in args.method for m in item.split(";") if m] if args.method else None
+    from gcomp.bench.devices import check_device
     unknown = [m for m in methods or [] if m not in gcomp.available()]
     if unknown:
         print(f"gcomp bench --codec: unknown method(s) {', '.join(unknown)}; gcomp list shows them", file=sys.stderr)
         return 2
-    rows = codec_table.run(args.sizes_mb, methods, seed=args.seed or 0)
+    try:
+        check_device(args.device or "cpu")
+        if args.backend not in (None, "nccl" if args.device == "cuda" else "gloo"):
+            raise ValueError(f"--backend {args.backend}: --codec runs on one rank, on gloo for the CPU and NCCL "
+                             "for --device cuda")
+    except ValueError as err:
+        print(f"gcomp bench --codec: {err}", file=sys.stderr)
+        return 2
+    rows = codec_table.run(args.sizes_mb, methods, seed=args.seed or 0, device=args.device or "cpu")
     out = Path(args.out or f"bench-results/codec-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "codec.json").write_text(json.dumps(rows, indent=1))
     with open(out / "codec.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
     print("\n" + codec_table.markdown(rows) + f"\n\ncodec.json, codec.csv: {out}")
+    failed = [f"{r['method']} ({r['size_mb']:g} MB)" for r in rows if "error" in r]
+    if failed:
+        print(f"gcomp bench --codec: failed: {', '.join(failed)}; their errors are in codec.json", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -142,8 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--data-dir", dest="data_dir", help="where cifar10/cifar100 lie (python-pickle format)")
     b.add_argument("--cache-dir", dest="cache_dir", help="pre-trained weights cache (default ~/.cache/gcomp)")
     b.add_argument("--out", help="results folder (default bench-results/DATE-TIME)")
-    b.add_argument("--codec", action="store_true", help="instead: every method's encode+decode time on one rank "
-                   "as a ratio to a copy of the bucket, and its bits per entry")
+    b.add_argument("--codec", action="store_true", help="instead: every method's encode+decode and reduction "
+                   "time on one rank as a ratio to a copy of the bucket, GB/s, bits per entry and peak extra memory")
+    b.add_argument("--device", choices=["cpu", "cuda"], help="where tensors live: cpu (the default) or cuda (one "
+                   "GPU per worker, cuda:LOCAL_RANK; --codec: the current GPU, timed with CUDA events)")
+    b.add_argument("--backend", choices=["gloo", "nccl"], help="the workers' process group: gloo (the default) or "
+                   "nccl (needs --device cuda and a GPU per worker; no --bandwidth shaping)")
     b.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64], dest="sizes_mb",
                    help="--codec: bucket sizes in MB")
     b.set_defaults(run=_bench)

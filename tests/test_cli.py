@@ -84,3 +84,58 @@ def test_python_m_gcomp_without_subcommand_fails():
     result = _run()
     assert result.returncode != 0
     assert "usage" in result.stderr
+
+
+# --- gcomp bench --device / --backend: refused clearly, before anything starts -----------------------------------
+
+no_gpu = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks what happens without CUDA")
+
+
+@no_gpu
+@pytest.mark.parametrize("flags, message", [
+    (["--codec", "--device", "cuda"], "gcomp bench --codec: --device cuda: "),
+    (["--device", "cuda"], "gcomp bench: --device cuda: "),
+    (["--backend", "nccl", "--device", "cuda"], "gcomp bench: --device cuda: "),
+])
+def test_bench_on_cuda_without_it_exits_2_saying_why(tmp_path, capsys, flags, message):
+    assert main(["bench", *flags, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and "leave --device out to run on the CPU" in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_bench_nccl_without_cuda_device_exits_2(tmp_path, capsys):
+    assert main(["bench", "--backend", "nccl", "--out", str(tmp_path / "x")]) == 2
+    assert "--backend nccl reduces CUDA tensors only: add --device cuda" in capsys.readouterr().err
+
+
+def test_codec_table_runs_on_one_rank_of_its_device_s_backend(tmp_path, capsys):
+    assert main(["bench", "--codec", "--backend", "nccl", "--out", str(tmp_path / "x")]) == 2
+    assert "--codec runs on one rank, on gloo for the CPU and NCCL for --device cuda" in capsys.readouterr().err
+
+
+def test_bench_refuses_an_unknown_device(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--codec", "--device", "tpu"])
+    assert exit_.value.code == 2 and "invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+def test_nccl_race_defaults_to_no_shaping_and_passes_device_and_backend_on(tmp_path, monkeypatch):
+    import torch
+
+    from gcomp.bench import runner
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    seen = []
+
+    def run(config, out):
+        config.check()
+        seen.append(config)
+        raise ValueError("stop before any worker")
+
+    monkeypatch.setattr(runner, "run", run)
+    assert main(["bench", "--device", "cuda", "--backend", "nccl", "--out", str(tmp_path / "x")]) == 2
+    assert (seen[0].device, seen[0].backend, seen[0].bandwidth) == ("cuda", "nccl", "none")
+    assert main(["bench", "--device", "cuda", "--out", str(tmp_path / "x")]) == 2  # gloo on GPUs: shaped
+    assert (seen[1].device, seen[1].backend, seen[1].bandwidth) == ("cuda", "gloo", "100mbit")

@@ -16,11 +16,31 @@ copy and only the method's own work remains), the hook reduces one fp32 bucket, 
   distance between ``encode + decode / copy`` and the floor is what a codec could still gain.
 
 ``pactrain`` runs on a bucket pruned at random at 0.5 and ``prunex`` on one with half its rows pruned, both
-after their tracker froze the support; every other method on a dense random bucket. Times are wall-clock
-medians, operations interleaved within every repeat (``gcomp.bench.timing.median_times``).
+after their tracker froze the support; every other method on a dense random bucket. Times are medians,
+operations interleaved within every repeat (``gcomp.bench.timing.median_times``): wall-clock on the CPU.
+
+- ``reduce GB/s``: the bucket's bytes over the reduction's time (``copy GB/s`` likewise for the copy, printed
+  under the table);
+- ``peak extra / bucket``: the most memory the reduction holds at once beyond the bucket and what the method
+  already held (its residuals, buffers kept from earlier steps; measured after the timed runs), as a fraction
+  of the bucket's bytes; a reduction that returns a fresh tensor counts it;
+- ``largest allocation / bucket``: the largest single allocation during the reduction, the same way; above 1
+  breaks the rule that no codec allocates more than its bucket per step.
+  On the CPU both come from the profiler's allocation events, on CUDA the peak from
+  ``torch.cuda.max_memory_allocated`` (reset before the reduction) and the largest from the profiler's events
+  on the device (``gcomp.bench.allocations``); the collective backend's own buffers are not seen.
+
+``device="cuda"`` (``gcomp bench --codec --device cuda``) runs the same on CUDA tensors of the current device on
+a one-rank NCCL group: times are device time between CUDA events (``timing.CudaEventClock``: synchronised
+before, recorded around each sample), so ``reduce / copy`` is against a device ``copy_``. The hook's own
+encode and decode timers read the host clock, which on a GPU sees kernel launches, not the kernels: the
+``encode+decode / copy`` column is then labelled "host" and ``reduce / copy`` is the one to read.
+
+A method that fails leaves a row with its ``error`` (and the others go on): the table shows "error".
 """
 from __future__ import annotations
 
+import math
 import time
 from datetime import timedelta
 
@@ -30,8 +50,9 @@ from torch import nn
 from torch.nn.utils import prune as torch_prune
 
 import gcomp
-from gcomp.bench.timing import median_times
+from gcomp.bench.allocations import measure_allocations
 from gcomp.bench.runner import free_port
+from gcomp.bench.timing import CudaEventClock, median_times
 
 ROW_WIDTH = 256  # the pruned buckets are (numel / 256, 256) weights
 FROZEN_AFTER = 4  # reductions before timing: pactrain/prunex (stable_steps=1) have frozen by then
@@ -67,23 +88,28 @@ def _holder(name: str, numel: int, generator: torch.Generator) -> nn.Module:
     return layer
 
 
-def _one_rank_group() -> bool:
-    """Start a one-rank gloo group unless one is running; True when this call started it."""
+def _one_rank_group(device: torch.device) -> bool:
+    """Start a one-rank group (gloo; NCCL for a CUDA device) unless one is running; True when this call
+    started it."""
     if dist.is_initialized():
         return False
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=120))
     return True
 
 
-def measure(name: str, numel: int, repeats: int, generator: torch.Generator) -> dict:
-    model = _holder(name, numel, generator)
+def measure(name: str, numel: int, repeats: int, generator: torch.Generator, device="cpu") -> dict:
+    device = torch.device(device)
+    model = _holder(name, numel, generator).to(device)
     param = next(model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model)
     params = {"stable_steps": 1} if name in ("pactrain", "prunex") else {}
     state = gcomp.HookState(gcomp.create(name, **params), ddp, None)
     state.warmup = 0
-    source = torch.randn(numel, generator=generator)
+    source = torch.randn(numel, generator=generator).to(device)
     if name == "pactrain":
         source.mul_(model.weight_mask.reshape(-1))
     buffer, dst = torch.empty_like(source), torch.empty_like(source)
@@ -95,16 +121,28 @@ def measure(name: str, numel: int, repeats: int, generator: torch.Generator) -> 
     for _ in range(FROZEN_AFTER):
         reduce()
     before = dict(state.stats)
-    times = median_times({"copy": lambda: dst.copy_(source), "reduce": reduce}, repeats, time.perf_counter)
+    clock = CudaEventClock() if device.type == "cuda" else time.perf_counter
+    times = median_times({"copy": lambda: dst.copy_(source), "reduce": reduce}, repeats, clock)
     calls = state.stats["buckets"] - before["buckets"]
     codec = (state.stats["encode_s"] + state.stats["decode_s"] - before["encode_s"] - before["decode_s"]) / calls
     sent = (state.stats["bytes_sent"] - before["bytes_sent"]) / calls
+    memory = measure_allocations(reduce, device)
+    bucket_bytes = numel * source.element_size()
     copy_s = times["copy"]
+    reduce_s = times["reduce"] - copy_s  # less the refill of the bucket
     bits = 8 * sent / numel
-    return {"method": name, "size_mb": numel * 4 / 2**20, "copy_s": copy_s, "codec_s": codec,
-            "codec_ratio": codec / copy_s, "reduce_s": times["reduce"] - copy_s,  # less the refill of the bucket
-            "reduce_ratio": (times["reduce"] - copy_s) / copy_s, "bits_per_entry": bits,
-            "floor": floor(name, bits, state.method.memory.stateful)}
+    return {"method": name, "device": device.type, "size_mb": bucket_bytes / 2**20, "copy_s": copy_s,
+            "codec_s": codec, "codec_clock": "host" if device.type == "cuda" else "wall",
+            "codec_ratio": codec / copy_s, "reduce_s": reduce_s, "reduce_ratio": reduce_s / copy_s,
+            "copy_gbps": gbps(bucket_bytes, copy_s), "reduce_gbps": gbps(bucket_bytes, reduce_s),
+            "bits_per_entry": bits, "floor": floor(name, bits, state.method.memory.stateful),
+            "peak_extra_frac": memory.peak_extra_bytes / bucket_bytes,
+            "largest_alloc_frac": memory.largest_bytes / bucket_bytes}
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    """``nbytes`` over ``seconds`` in GB/s (10**9 bytes); NaN for a time too small to measure (0 or less)."""
+    return nbytes / seconds / 1e9 if seconds > 0 else math.nan
 
 
 def floor(name: str, bits_per_entry: float, residual: bool) -> float:
@@ -114,8 +152,10 @@ def floor(name: str, bits_per_entry: float, residual: bool) -> float:
     return 1.0 + bits_per_entry / 32 + (1.0 if residual else 0.0)
 
 
-def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, log=print) -> list[dict]:
-    started = _one_rank_group()
+def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, log=print,
+        device: str = "cpu") -> list[dict]:
+    device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    started = _one_rank_group(device)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -123,9 +163,17 @@ def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, 
         for size in sizes_mb:
             numel = max(ROW_WIDTH, int(size * 2**20) // 4 // ROW_WIDTH * ROW_WIDTH)
             for name in methods or gcomp.available():
-                rows.append(measure(name, numel, repeats, torch.Generator().manual_seed(seed)))
-                log(f"  {name}, {rows[-1]['size_mb']:g} MB: encode+decode {rows[-1]['codec_ratio']:.2f}x copy, "
-                    f"reduce {rows[-1]['reduce_ratio']:.2f}x copy")
+                try:
+                    rows.append(measure(name, numel, repeats, torch.Generator().manual_seed(seed), device))
+                except Exception as err:  # noqa: BLE001 -- one method's failure is its row; the others go on
+                    rows.append({"method": name, "device": device.type, "size_mb": numel * 4 / 2**20,
+                                 "error": f"{type(err).__name__}: {err}"})
+                    log(f"  {name}, {rows[-1]['size_mb']:g} MB: FAILED: {rows[-1]['error']}")
+                    continue
+                r = rows[-1]
+                log(f"  {name}, {r['size_mb']:g} MB: encode+decode {r['codec_ratio']:.2f}x copy, "
+                    f"reduce {r['reduce_ratio']:.2f}x copy ({r['reduce_gbps']:.1f} GB/s), peak extra memory "
+                    f"{r['peak_extra_frac']:.2f} bucket")
         return rows
     finally:
         torch.set_num_threads(threads)
@@ -135,13 +183,25 @@ def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, 
 
 def markdown(rows: list[dict]) -> str:
     sizes = sorted({r["size_mb"] for r in rows})
-    head = ("| method | bits per entry | floor | " + " | ".join(f"encode+decode / copy, {s:g} MB" for s in sizes)
-            + " | " + " | ".join(f"reduce / copy, {s:g} MB" for s in sizes) + " |")
+    last = f"{sizes[-1]:g} MB"
+    host = "host " if any(r.get("codec_clock") == "host" for r in rows) else ""
+    head = (f"| method | bits per entry | floor | peak extra / bucket, {last} | largest allocation / bucket, {last} | "
+            + " | ".join(f"{host}encode+decode / copy, {s:g} MB" for s in sizes)
+            + " | " + " | ".join(f"reduce / copy, {s:g} MB" for s in sizes)
+            + " | " + " | ".join(f"reduce GB/s, {s:g} MB" for s in sizes) + " |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+
+    def cell(row, key, digits=".2f"):
+        return "error" if row is None or "error" in row else f"{row[key]:{digits}}"
+
     for name in dict.fromkeys(r["method"] for r in rows):
         mine = {r["size_mb"]: r for r in rows if r["method"] == name}
-        bits, least = mine[sizes[-1]]["bits_per_entry"], mine[sizes[-1]]["floor"]
-        lines.append(f"| {name} | {bits:.3g} | {least:.2f} | "
-                     + " | ".join(f"{mine[s]['codec_ratio']:.2f}" for s in sizes)
-                     + " | " + " | ".join(f"{mine[s]['reduce_ratio']:.2f}" for s in sizes) + " |")
+        big = mine.get(sizes[-1])
+        lines.append(f"| {name} | {cell(big, 'bits_per_entry', '.3g')} | {cell(big, 'floor')} | "
+                     f"{cell(big, 'peak_extra_frac')} | {cell(big, 'largest_alloc_frac')} | "
+                     + " | ".join(cell(mine.get(s), "codec_ratio") for s in sizes)
+                     + " | " + " | ".join(cell(mine.get(s), "reduce_ratio") for s in sizes)
+                     + " | " + " | ".join(cell(mine.get(s), "reduce_gbps", ".1f") for s in sizes) + " |")
+    copies = {r["size_mb"]: r["copy_gbps"] for r in rows if "error" not in r}
+    lines.append("\ncopy: " + ", ".join(f"{copies[s]:.1f} GB/s at {s:g} MB" for s in sizes if s in copies))
     return "\n".join(lines)

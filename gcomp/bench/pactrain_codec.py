@@ -22,12 +22,12 @@ the bucket's bytes. ``run`` returns the rows (dicts) for other tools; ``markdown
 from __future__ import annotations
 
 import argparse
-import math
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
+from gcomp.bench.allocations import peak_extra_bytes
 from gcomp.bench.timing import median_times
 from gcomp.bucket import BucketInfo
 from gcomp.collectives import bitpack
@@ -61,24 +61,6 @@ def synthetic_bucket(numel: int, ratio: float, dtype: torch.dtype, generator: to
     support = bucket_support(params, numel)
     bucket = torch.randn(numel, generator=generator).mul_(support).to(dtype)
     return bucket, support, params
-
-
-def peak_extra_bytes(fn: Callable[[], object]) -> float:
-    """The most bytes ``fn`` holds allocated at once beyond what it started with (CPU profiler events);
-    NaN where this PyTorch's profiler does not expose them."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    try:  # not a documented API: the raw allocation events, in order
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    except AttributeError:
-        return math.nan
-    held = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        held += e.nbytes()
-        peak = max(peak, held)
-    return float(peak)
 
 
 def _compressor(support: SupportIndex, dtype: torch.dtype, numels, world: int):

@@ -6,6 +6,9 @@ Workers are separate processes started with ``python -m gcomp.bench.worker`` and
 (``gcomp.bench.netem``) when a bandwidth is given and shaping is permitted here. One launch of the workers per
 bandwidth runs a list of jobs (method, seed, prune ratio): every method for every seed at the first prune
 ratio, and only the methods that prune at the sweep's other ratios (the others do not depend on it).
+
+``device="cuda"`` puts each worker on ``cuda:LOCAL_RANK`` (pre-training stays on the CPU); ``backend="nccl"``
+needs it and a GPU per worker, and refuses a shaped bandwidth (``BenchConfig.check`` says why).
 """
 from __future__ import annotations
 
@@ -63,6 +66,8 @@ class BenchConfig:
     threads: int = 1
     timeout_s: int = 300
     verbose: bool = True
+    device: str = "cpu"  # or "cuda": worker LOCAL_RANK on cuda:LOCAL_RANK (gcomp.bench.devices)
+    backend: str = "gloo"  # or "nccl": CUDA only, one GPU per worker, no shaping
 
     def check(self) -> None:
         """Every setting checked before anything starts: a ValueError naming the setting and what it takes."""
@@ -89,9 +94,17 @@ class BenchConfig:
             raise ValueError(f"--bandwidth lists a rate twice or none: {self.bandwidth!r}")
         if len(rates) > 1 and "none" in rates:
             raise ValueError("--bandwidth: a sweep compares shaped rates; 'none' cannot be one of its points")
-        from gcomp.bench import netem
+        from gcomp.bench import devices, netem
         for rate in rates:
             netem.parse_rate(rate)  # a ValueError naming the rate and the form it takes
+        devices.check_device(self.device)
+        devices.check_backend(self.backend, self.device, self.workers)
+        if self.backend == "nccl" and any(netem.parse_rate(rate) is not None for rate in rates):
+            # NCCL between GPUs of one host moves data over NVLink, PCIe or shared memory, never through the
+            # namespaces' veth links that tc shapes: a "shaped" NCCL race would be unshaped under its label.
+            raise ValueError(f"--bandwidth {self.bandwidth}: shaping applies to gloo's TCP links only; NCCL on "
+                             "one host bypasses them. Use --bandwidth none with --backend nccl, or --backend gloo "
+                             "to shape")
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise ValueError(f"--target-accuracy must be in (0, 1]; got {self.target_accuracy!r}")
         name = self.model.partition(":")[0]

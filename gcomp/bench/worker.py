@@ -10,11 +10,17 @@ counters; the split into compute, encode, communicate and decode is:
   the run on the same batches, as a median;
 - communicate: the rest of the step (what DDP waited for); communication that overlaps backward is hidden.
 
+On a GPU (``device: cuda``, the worker on ``cuda:LOCAL_RANK``, gloo or NCCL) every step and compute sample is
+read off the host clock after ``torch.cuda.synchronize``, so it holds the kernels, not only their launches. The
+hook's encode and decode timers read the host clock without synchronising (a synchronisation inside the hook
+would stall DDP's overlap): on a GPU they hold the launches, and the kernels' own time lands in communicate.
+
 Test accuracy is measured every ``eval_every`` steps on rank 0, outside the timed steps. Rank 0 writes the
 rows to ``config["output"]``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -27,6 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import gcomp
+from gcomp.bench.devices import synchronize, worker_device
 from gcomp.bench.methods import BenchMethod, TorchHook, parse_method
 from gcomp.bench.workloads import Data, accuracy, load_data, loss_fn, make_model
 from gcomp.ddp_options import no_buffer_sync
@@ -49,18 +56,28 @@ def batches(data: Data, rank: int, world: int, batch: int, seed: int):
         epoch += 1
 
 
-def build(method: BenchMethod, config: dict, data: Data, pretrained: dict | None):
-    """The job's model (pre-trained weights, pruned where the method prunes), DDP around it and the method's
-    hook; ``config`` holds the job's ``seed`` and ``prune_ratio``."""
+def on_device(data: Data, device: torch.device) -> Data:
+    """``data`` with its tensors on ``device``."""
+    def move(pair):
+        return None if pair is None else tuple(t.to(device) for t in pair)
+    return dataclasses.replace(data, train=move(data.train), test=move(data.test), pretrain=move(data.pretrain))
+
+
+def build(method: BenchMethod, config: dict, data: Data, pretrained: dict | None,
+          device: torch.device = torch.device("cpu")):
+    """The job's model (pre-trained weights, pruned where the method prunes) on ``device``, DDP around it and
+    the method's hook; ``config`` holds the job's ``seed`` and ``prune_ratio``."""
     model = make_model(config["model"], data, config["seed"])
     if pretrained is not None:
         model.load_state_dict(pretrained)
+    model.to(device)
     if method.prunes:
         prune(model, config["prune_ratio"], config["prune_method"], data=(data.train[0][:512], data.train[1][:512]),
               seed=config["seed"])
     # no_buffer_sync() for every method: DDP would otherwise re-send every pruning mask (as large as the weights)
     # from rank 0 at each forward; prune() already made the masks equal on every rank.
-    ddp = DistributedDataParallel(model, bucket_cap_mb=1e6 if method.one_bucket else config["bucket_cap_mb"],
+    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                  bucket_cap_mb=1e6 if method.one_bucket else config["bucket_cap_mb"],
                                   **no_buffer_sync())
     if method.is_torch:
         stats = TorchHook(method.name, ddp, seed=config["seed"]).stats
@@ -69,9 +86,10 @@ def build(method: BenchMethod, config: dict, data: Data, pretrained: dict | None
     return model, ddp, stats
 
 
-def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict | None, log) -> dict:
+def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict | None, log,
+               device: torch.device = torch.device("cpu")) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, ddp, stats = build(method, config, data, pretrained)
+    model, ddp, stats = build(method, config, data, pretrained, device)
     opt = torch.optim.SGD(ddp.parameters(), lr=config["lr"], momentum=config["momentum"])
     stream = batches(data, rank, world, config["batch"], config["seed"])
     steps, kept = config["steps"], kept_fraction(model)
@@ -80,11 +98,13 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
     bar = progress(steps, method.label, rank == 0 and config.get("verbose", True))
     for step in range(steps):
         x, y = next(stream)
+        synchronize(device)  # a host clock times GPU work only once the device has caught up, at both ends
         start = time.perf_counter()
         loss = loss_fn(ddp(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
+        synchronize(device)
         elapsed = time.perf_counter() - start
         clock += elapsed
         times.append(elapsed)
@@ -97,7 +117,7 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
             getattr(bar, "write", log)(f"  {method.label}: step {step + 1}/{steps}  {ms:.1f} ms/step  "
                                        f"test accuracy {history[-1]['accuracy']:.4f}")
     bar.close()
-    compute = compute_time(ddp, opt, stream)
+    compute = compute_time(ddp, opt, stream, device)
     dist.barrier()
     return summarise(method, config, times, losses, counters, history, compute, kept, world,
                      sum(p.numel() for p in model.parameters()))
@@ -122,7 +142,7 @@ def progress(steps: int, label: str, shown: bool):
     return tqdm(total=steps, desc=label, unit="step", leave=False, disable=None, dynamic_ncols=True)
 
 
-def compute_time(ddp, opt, stream) -> float:
+def compute_time(ddp, opt, stream, device: torch.device = torch.device("cpu")) -> float:
     """Median time of forward + backward + optimizer step with no communication (``no_sync``); the step is
     taken on zeroed gradients with lr 0, so the model does not move."""
     samples = []
@@ -131,12 +151,14 @@ def compute_time(ddp, opt, stream) -> float:
         g["lr"] = 0.0
     for _ in range(COMPUTE_SAMPLES):
         x, y = next(stream)
+        synchronize(device)
         start = time.perf_counter()
         with ddp.no_sync():
             loss = loss_fn(ddp(x), y)
             opt.zero_grad()
             loss.backward()
         opt.step()
+        synchronize(device)
         samples.append(time.perf_counter() - start)
     for g, lr in zip(opt.param_groups, lrs):
         g["lr"] = lr
@@ -175,12 +197,16 @@ def summarise(method, config, times, losses, counters, history, compute, kept, w
 
 def main(argv: list[str] | None = None) -> int:
     config = json.loads(open((argv or sys.argv[1:])[0]).read())
-    dist.init_process_group("gloo", timeout=timedelta(seconds=config.get("timeout_s", 300)))
+    device = worker_device(config.get("device", "cpu"), int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator and DDP use the current device
+    dist.init_process_group(config.get("backend", "gloo"), timeout=timedelta(seconds=config.get("timeout_s", 300)))
     torch.set_num_threads(config.get("threads", 1))
     rank = dist.get_rank()
     log = (lambda text: print(text, flush=True)) if rank == 0 and config.get("verbose", True) else (lambda text: None)
     try:
-        data = load_data(config["dataset"], data_dir=config.get("data_dir"), seed=config["split_seed"])
+        data = on_device(load_data(config["dataset"], data_dir=config.get("data_dir"), seed=config["split_seed"]),
+                         device)
         weights = {}
         rows = []
         for job in config["jobs"]:
@@ -194,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                 tags.append(f"prune ratio {job['prune_ratio']}")
             log(f"== {text}" + (f"  ({', '.join(tags)})" if tags else ""))
             load_start = os.getloadavg()[0]
-            row = run_method(method, {**config, **job}, data, weights.get(path), log)
+            row = run_method(method, {**config, **job}, data, weights.get(path), log, device)
+            row["device"], row["backend"] = device.type, config.get("backend", "gloo")
             row["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}  # 1 minute, this machine
             rows.append(row)
         if rank == 0:

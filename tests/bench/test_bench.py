@@ -112,6 +112,7 @@ def test_a_brief_unshaped_race_with_two_seeds_and_a_prune_sweep_writes_every_out
         assert r["steps"] == 6 and len(r["step_times"]) == 6 and len(r["history"]) == 2 and r["workers"] == 2
         assert r["bytes_dense_per_step"] == params * 4  # one bucket here (every run's model fits in 25 MB)
         assert r["step_s"] >= r["comm_s_per_step"] >= 0
+        assert (r["device"], r["backend"]) == ("cpu", "gloo")  # the defaults
     assert runs["identity", 0, None]["bytes_sent_per_step"] == params * 4
     assert runs["torch:fp16", 1, None]["bytes_sent_per_step"] == params * 2
     assert runs["torch:powersgd", 0, None]["one_bucket"] and "(one bucket)" in printed
@@ -160,8 +161,18 @@ def test_codec_table_reports_ratios_to_a_copy_and_bits_per_entry(tmp_path, capsy
     assert floors["identity"] == 0 and floors["fp16"] == 1.5  # the bucket read and written, 16 bits each way
     assert floors["topk"] == pytest.approx(1 + 0.64 / 32 + 1, rel=0.01)  # plus its residual, read and written
     assert floors["pactrain"] == pytest.approx(1 + bits["pactrain"] / 32)
+    for r in rows:
+        assert r["device"] == "cpu" and r["codec_clock"] == "wall"
+        assert r["copy_gbps"] == pytest.approx(r["size_mb"] * 2**20 / r["copy_s"] / 1e9)
+        assert r["reduce_gbps"] == pytest.approx(r["size_mb"] * 2**20 / r["reduce_s"] / 1e9, nan_ok=True)
+        assert r["peak_extra_frac"] >= r["largest_alloc_frac"] >= 0
+    memory = {r["method"]: (r["peak_extra_frac"], r["largest_alloc_frac"]) for r in rows if r["size_mb"] == 0.25}
+    assert max(memory["identity"]) < 0.01  # the bucket is its own result: a few bytes of bookkeeping at most
+    assert memory["topk"][1] > 0  # its decode writes a fresh dense tensor
     printed = capsys.readouterr().out
     assert "| topk | 0.64 | 2.02 |" in printed and (out / "codec.csv").exists()
+    assert "peak extra / bucket, 0.25 MB" in printed and "reduce GB/s, 0.0625 MB" in printed
+    assert "copy: " in printed and "GB/s at 0.25 MB" in printed
     assert main(["bench", "--codec", "--method", "topkk", "--out", str(out)]) == 2
 
 
@@ -183,3 +194,153 @@ def test_a_brief_shaped_run_goes_through_namespaces_or_says_why_not(tmp_path, ca
     assert (out / "bandwidth_sweep.png").stat().st_size > 1000
     mine = netem.PREFIX + f"{os.getpid() % 10**7:07d}"  # the names this process gave its namespaces
     assert not [n for n in netem.namespace_names() if n.startswith(mine)]
+
+
+def test_a_method_that_fails_leaves_an_error_row_and_the_others_go_on(tmp_path, capsys, monkeypatch):
+    from gcomp.bench import codec_table
+    measure = codec_table.measure
+
+    def failing(name, *args, **kwargs):
+        if name == "fp16":
+            raise RuntimeError("no such kernel")
+        return measure(name, *args, **kwargs)
+
+    monkeypatch.setattr(codec_table, "measure", failing)
+    out = tmp_path / "codec"
+    assert main(["bench", "--codec", "--sizes-mb", "0.0625", "--method", "identity;fp16", "--out", str(out)]) == 1
+    rows = json.loads((out / "codec.json").read_text())
+    assert rows[1] == {"method": "fp16", "device": "cpu", "size_mb": 0.0625, "error": "RuntimeError: no such kernel"}
+    captured = capsys.readouterr()
+    assert "| fp16 | error |" in captured.out and "| identity | 32 |" in captured.out
+    assert "failed: fp16 (0.0625 MB)" in captured.err
+    with open(out / "codec.csv") as fh:
+        assert [r["error"] for r in csv.DictReader(fh)] == ["", "RuntimeError: no such kernel"]
+
+
+class _FakeEvent:
+    """A CUDA event on a fake device timeline (``now`` in ms, advanced by the timed operation)."""
+
+    def __init__(self, timeline: dict):
+        self.timeline, self.at = timeline, None
+
+    def record(self):
+        self.at = self.timeline["now"]
+
+    def synchronize(self):
+        self.timeline["waits"] += 1
+
+    def elapsed_time(self, end) -> float:
+        return end.at - self.at
+
+
+def test_median_times_with_the_cuda_event_clock_reads_device_time_and_syncs_before_each_sample():
+    from gcomp.bench.timing import CudaEventClock, median_times
+    timeline = {"now": 0.0, "waits": 0, "syncs": 0}
+
+    def synchronize():
+        timeline["syncs"] += 1
+
+    def op(ms):
+        def run():
+            timeline["now"] += ms
+        return run
+
+    clock = CudaEventClock(event=lambda: _FakeEvent(timeline), synchronize=synchronize)
+    times = median_times({"copy": op(4.0), "reduce": op(10.0)}, repeats=3, clock=clock)
+    assert times == {"copy": pytest.approx(0.004), "reduce": pytest.approx(0.010)}  # seconds, from milliseconds
+    samples = 2 * 1 + 2 * 3  # one sizing sample per operation, then 3 repeats of each
+    assert timeline["syncs"] == timeline["waits"] == samples
+
+
+def test_a_host_clock_function_still_times_samples():
+    from gcomp.bench.timing import median_times
+    ticks = iter(range(1000))
+    assert median_times({"op": lambda: None}, repeats=3, clock=lambda: float(next(ticks))) == {"op": 1.0}
+
+
+def test_allocations_of_a_call_on_the_cpu():
+    from gcomp.bench.allocations import measure_allocations
+    kept = []
+
+    def fn():
+        scratch = torch.empty(1000)  # 4000 bytes, freed on return
+        kept.append(torch.empty(500))  # 2000 bytes, held after
+        del scratch
+
+    memory = measure_allocations(fn, "cpu")
+    assert (memory.peak_extra_bytes, memory.largest_bytes) == (6000, 4000)
+    assert measure_allocations(lambda: None).peak_extra_bytes == 0
+
+
+def test_gbps_is_bytes_over_seconds_and_nan_below_the_clock():
+    import math
+
+    from gcomp.bench.codec_table import gbps
+    assert gbps(4e9, 2.0) == 2.0 and math.isnan(gbps(1e6, 0.0)) and math.isnan(gbps(1e6, -1e-6))
+
+
+@pytest.fixture
+def two_fake_gpus(monkeypatch):
+    """CUDA as a GPU host would report it (nothing runs on it: the checks only)."""
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"backend": "nccl"}, "--backend nccl reduces CUDA tensors only: add --device cuda"),
+    ({"backend": "mpi"}, "--backend must be one of gloo, nccl"),
+    ({"device": "tpu"}, "--device must be one of cpu, cuda"),
+    ({"device": "cuda", "backend": "nccl", "workers": 4, "bandwidth": "none"},
+     "one worker per GPU: --workers 4, but 2 GPU(s)"),
+    ({"device": "cuda", "backend": "nccl", "workers": 2}, "--bandwidth 100mbit: shaping applies to gloo's TCP"),
+    ({"device": "cuda", "backend": "nccl", "workers": 2, "bandwidth": "1gbit,100mbit"}, "Use --bandwidth none"),
+])
+def test_device_and_backend_settings_are_checked_before_anything_starts(two_fake_gpus, settings, message):
+    from gcomp.bench.runner import BenchConfig
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        BenchConfig(**settings).check()
+
+
+def test_gpus_that_fit_the_workers_pass_and_gloo_shares_them(two_fake_gpus):
+    from gcomp.bench.devices import worker_device
+    from gcomp.bench.runner import BenchConfig
+    BenchConfig(device="cuda", backend="nccl", workers=2, bandwidth="none").check()
+    BenchConfig(device="cuda", backend="gloo", workers=4).check()  # gloo: 4 workers on 2 GPUs, shaped
+    assert [worker_device("cuda", rank) for rank in range(4)] == [torch.device("cuda", r % 2) for r in range(4)]
+    assert worker_device("cpu", 3) == torch.device("cpu")
+
+
+def test_without_cuda_the_device_check_says_why(monkeypatch):
+    from gcomp.bench.runner import BenchConfig
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ValueError, match="--device cuda: this torch .* is built without CUDA"):
+        BenchConfig(device="cuda").check()
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--backend nccl: no CUDA GPU is visible"):
+        from gcomp.bench.devices import check_backend
+        check_backend("nccl", "cuda", 1)
+
+
+def test_a_worker_synchronises_the_device_around_every_timed_step(monkeypatch):
+    """On a GPU the host clock must wait for the kernels at both ends of each step and compute sample; here
+    the calls are counted on the CPU (where synchronising is a no-op)."""
+    import torch.distributed as dist
+
+    from gcomp.bench import worker
+    from gcomp.bench.runner import BenchConfig, free_port
+    calls = []
+    monkeypatch.setattr(worker, "synchronize", lambda device: calls.append(device))
+    config = {**vars(BenchConfig(model="mlp:8", steps=3, eval_every=3, verbose=False)), "bandwidth": "none",
+              "bandwidth_bps": None, "method": "identity"}
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        row = worker.run_method(parse_method("identity"), config, load_data("digits"), None, lambda text: None)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    assert len(calls) == 2 * (3 + worker.COMPUTE_SAMPLES) and set(calls) == {torch.device("cpu")}
+    assert row["steps"] == 3
