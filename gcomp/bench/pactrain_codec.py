@@ -91,13 +91,13 @@ def _ternary_parts(compressor: PacTrainCompressor, info: BucketInfo, bucket, out
         s["scales"] = compressor.local_scales(track)
 
     def codes():
-        s["codes"] = compressor.draw_codes(track, s["scales"])
+        s["codes"] = compressor.draw_codes(track, s["scales"][:-2])
 
     def pack():
         s["lanes"] = bitpack.pack(s["codes"], bits)
 
     def unpack():
-        s["decoded"] = compressor.decode_values(track, s["scales"], s["lanes"])
+        s["decoded"] = compressor.decode_values(track, s["scales"][:-2], s["scales"][-1], s["lanes"])
 
     def scatter():
         track.support.scatter(s["decoded"].to(out.dtype), out)
@@ -132,7 +132,8 @@ def measure(size_mb: float, ratio: float, dtype: torch.dtype, world: int, repeat
 
     def ternary():
         payload = compressor.compress(bucket, info)
-        compressor.second_round(payload)
+        if compressor.chained(payload):  # the first packed step; one round (the scale carried) from then on
+            compressor.second_round(payload)
         payload.ctx.bucket = out  # decode elsewhere: the bucket stays every step's input
         return compressor.decompress(payload.tensors, payload.ctx)
 

@@ -12,35 +12,49 @@ import torch
 
 from gcomp.collectives import bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
+from gcomp.compressors import scale_grid
 from gcomp.compressors.quantise import RankGenerator, per_segment_, rank_and_world, segment_scales
 from gcomp.core import ALLREDUCE, MAX, SUM, Method, Payload, check_state
 from gcomp.memory import NoMemory
 from gcomp.params import Range
-from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker
+from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker, host_flag, read_host_flag
 from gcomp.registry import register
 
-TERNARY = "ternary"
+TERNARY = "ternary"  # two rounds: the exact shared scale first
+ONE_ROUND = "ternary1"  # one round: the scale carried from the step before (``scale_grid``)
+_FLAGS = 3  # the one-round payload's last int64 words: ranks with a non-finite value, with changed masks, asking a resync
 
 
 @dataclass
 class _Ctx:
-    mode: str  # tracking, dense, packed or ternary
+    mode: str  # tracking, dense, packed, ternary or ternary1
     track: BucketTrack
     bucket: torch.Tensor  # the gradient buffer the result is written into
+    exponents: torch.Tensor | None = None  # one round: the shared scale's grid exponents used to encode
 
 
 class PacTrainCompressor(ChainedCompressor):
     """Mask-packed all-reduce of a pruned model's buckets (lossless), optionally ternarised.
 
     On the wire, per bucket and step, by the mask tracker's state (``gcomp.packing.tracker``), in one
-    all-reduce round except for ternary (``ChainedAllreduceCommunicator``):
+    all-reduce round except for ternary's first packed step (``ChainedAllreduceCommunicator``):
 
     - tracking / dense: the bucket as it is (SUM), and while tracking 5 int64 flags (MAX);
     - packed: the kept entries in the bucket's dtype plus one entry counting ranks whose masks changed (SUM);
       the result equals a dense all-reduce on the support, bit for bit on 2 ranks, and is zero elsewhere;
-    - ternary, two chained rounds: first one fp32 scale per parameter segment plus two flags (MAX, so every
-      rank shares the scale), then the codes t + 1 of t in {-1, 0, 1}, drawn so that E[scale * t] = value, in
-      ``bitpack.lane_bits(N)``-bit fields of int64 words (SUM: each field sums to at most 2N, no carry crosses).
+    - ternary, the codes t + 1 of t in {-1, 0, 1}, drawn so that E[scale * t] = value, in
+      ``bitpack.lane_bits(N)``-bit fields of int64 words (SUM: each field sums to at most 2N, no carry
+      crosses), against a scale per parameter segment that every rank shares:
+
+      - ``rounds=1`` (the default), one all-reduce: the scale is carried from the step before
+        (``gcomp.compressors.scale_grid``): one int64 tensor (SUM) of the code words, then
+        ``scale_grid.hist_words`` words of counting lanes that give the next step's scale, then 3 counts
+        (ranks with a non-finite value, with changed masks, asking a resync). A value above the carried scale
+        goes as +-scale and its excess is added to its rank's next step (kept with the tracker's state), so
+        every rank's sends add up to its gradients; the first packed step, and a step after a resync, take
+        the two rounds below;
+      - ``rounds=2``: first one fp32 scale per parameter segment plus two flags (MAX: the exact shared
+        scale, max |value| over ranks), then the code words (SUM). Unbiased at every step.
 
     ``granularity="groups"`` (``prunex``'s inter-node stage) packs whole filters and channels
     (``gcomp.packing.groups``) instead of single entries: no per-entry index, even in memory.
@@ -49,13 +63,16 @@ class PacTrainCompressor(ChainedCompressor):
     collective = ALLREDUCE
     stateful = True
     reads_model = True  # the pruning masks
-    stat_keys = ("packed_buckets", "freezes", "unfreezes", "mask_mismatches")
+    stat_keys = ("packed_buckets", "freezes", "unfreezes", "mask_mismatches", "one_round_buckets", "scale_resyncs")
 
     def __init__(self, stable_steps: int = 5, dense_above: float = 0.9, ternary: bool = False,
                  clip: float = 0.0, error_feedback: bool = False, seed: int = 0, granularity: str = ENTRIES,
-                 check_every: int = 10):
+                 check_every: int = 10, rounds: int = 1):
+        if rounds not in (1, 2):
+            raise ValueError(f"rounds must be 1 or 2, got {rounds!r}")
         self.tracker = MaskTracker(stable_steps, dense_above, granularity, check_every)
         self.ternary, self.clip, self.error_feedback, self.seed = ternary, clip, error_feedback, seed
+        self.rounds = rounds
         self.lossless = not ternary
         self.world_size, self.rank = 1, 0
         self.random = RankGenerator(seed, "pactrain")
@@ -67,6 +84,10 @@ class PacTrainCompressor(ChainedCompressor):
         self.rank, self.world_size = rank_and_world(group)
         self.random.bind(self.rank)  # independent draws per rank
 
+    def _count(self, key: str) -> None:
+        if key in self.stats:
+            self.stats[key] += 1
+
     # --- encode ---------------------------------------------------------------------------------------------
 
     def compress(self, tensor, bucket):
@@ -76,8 +97,7 @@ class PacTrainCompressor(ChainedCompressor):
                            _Ctx(TRACKING, track, tensor), ops=(SUM, MAX))
         if track.mode == DENSE:
             return Payload([tensor], _Ctx(DENSE, track, tensor))
-        if "packed_buckets" in self.stats:
-            self.stats["packed_buckets"] += 1
+        self._count("packed_buckets")
         support = track.support
         if not self.ternary:
             packed = track.buffers.get("packed")
@@ -89,12 +109,25 @@ class PacTrainCompressor(ChainedCompressor):
         self.gather_values(track, tensor)
         scales = self.local_scales(track)
         scales[-2] = float(changed_here)
-        bits = bitpack.lane_bits(self.world_size)
-        lanes = torch.empty(bitpack.packed_words(support.kept, bits), dtype=torch.int64, device=tensor.device)
-        return Payload([scales, lanes], _Ctx(TERNARY, track, tensor), ops=(MAX, SUM))
+        exponents = self._carried_exponents(track)
+        if exponents is None:
+            bits = bitpack.lane_bits(self.world_size)
+            lanes = torch.empty(bitpack.packed_words(support.kept, bits), dtype=torch.int64, device=tensor.device)
+            return Payload([scales, lanes], _Ctx(TERNARY, track, tensor), ops=(MAX, SUM))
+        self._count("one_round_buckets")
+        return Payload([self.one_round_lanes(track, scales, exponents)], _Ctx(ONE_ROUND, track, tensor, exponents))
 
     def chained(self, payload: Payload) -> bool:
         return payload.ctx.mode == TERNARY
+
+    def _carried_exponents(self, track: BucketTrack) -> torch.Tensor | None:
+        """The shared scale's exponents the last step left for this one, or None when this step must take two
+        rounds (``rounds=2``, the first packed step, or a rank asked for a resync)."""
+        pending = track.buffers.pop("resync", None)
+        if pending is not None and bool(read_host_flag(pending)):
+            self._count("scale_resyncs")
+            track.buffers.pop("exponents", None)
+        return track.buffers.get("exponents") if self.rounds == 1 else None
 
     def _ternary_buffers(self, track: BucketTrack, like: torch.Tensor) -> dict:
         """Per-bucket work buffers, allocated once per frozen support (fresh allocations of tens of MB cost
@@ -116,15 +149,17 @@ class PacTrainCompressor(ChainedCompressor):
     # with the shared scales, draw_codes and bitpack.pack; after the SUM, decode_values and support.scatter.
 
     def gather_values(self, track: BucketTrack, tensor: torch.Tensor) -> torch.Tensor:
-        """The kept entries as fp32 (error feedback added), and their magnitudes in the ``prob`` buffer."""
+        """The kept entries as fp32 (error feedback, or the excess a carried scale clipped, added), and their
+        magnitudes in the ``prob`` buffer."""
         buffers, support = self._ternary_buffers(track, tensor), track.support
         values = buffers["values"]
         if tensor.dtype == torch.float32:
             support.gather(tensor, values)
         else:  # a 16-bit bucket: gather into the draws buffer's storage (free until the draws), then widen
             values.copy_(support.gather(tensor, self._narrow(buffers["draws"], tensor.dtype, support.kept)))
-        if self.error_feedback and "residual" in buffers:
-            values += buffers["residual"]
+        held = buffers.get("residual") if self.error_feedback else buffers.pop("residual", None)
+        if held is not None:
+            values += held
         torch.abs(values, out=buffers["prob"][:values.numel()])
         return values
 
@@ -141,27 +176,57 @@ class PacTrainCompressor(ChainedCompressor):
 
     def second_round(self, payload: Payload) -> None:
         """Ternarise: fill the lanes from the shared scales (``payload.tensors[0]`` after its MAX all-reduce)."""
-        codes = self.draw_codes(payload.ctx.track, payload.tensors[0])
+        codes = self.draw_codes(payload.ctx.track, payload.tensors[0][:-2])
         payload.tensors[1] = bitpack.pack(codes, bitpack.lane_bits(self.world_size))
 
-    def draw_codes(self, track: BucketTrack, scales: torch.Tensor) -> torch.Tensor:
-        """t + 1 in {0, 1, 2} per kept entry, with E[scale * t] = value, then the zero padding of the lanes'
-        last word (uint8: t = -1 is (0 * 2 - 1) mod 256 = 255, and 255 + 1 wraps to 0). Error feedback keeps
-        what the codes do not carry."""
+    def one_round_lanes(self, track: BucketTrack, scales: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+        """The one all-reduce's int64 tensor: the codes drawn against the carried scale, the counting lanes
+        of this rank's largest values, and the 3 counts (see the class docstring)."""
+        local = scales[:-2]
+        shared = scale_grid.grid_scale(exponents)
+        codes = self.draw_codes(track, shared)
+        if not self.error_feedback and self.clip == 0:
+            over = local > shared  # some value above the carried scale went as +-scale: its excess is carried
+            if local.device.type != "cpu" or bool(over.any()):  # a free check on the host; a GPU never waits
+                self._carry_excess(track, shared)
+        hist, resync = scale_grid.marks(local, exponents, self.world_size)
+        words = bitpack.pack(codes, bitpack.lane_bits(self.world_size))
+        lanes = torch.empty(words.numel() + hist.numel() + _FLAGS, dtype=torch.int64, device=words.device)
+        lanes[:words.numel()] = words
+        lanes[words.numel():-_FLAGS] = hist
+        lanes[-3] = scales[-1].to(torch.int64)
+        lanes[-2] = scales[-2].to(torch.int64)
+        lanes[-1] = resync
+        return lanes
+
+    def _carry_excess(self, track: BucketTrack, shared: torch.Tensor) -> None:
+        """Keep ``value - clamp(value, -scale, scale)`` for this rank's next step (``gather_values`` adds it)."""
+        buffers = track.buffers
+        values = buffers["values"]
+        carry = buffers.get("carry")
+        if carry is None:
+            carry = buffers["carry"] = torch.empty_like(values)
+        carry.copy_(values)
+        per_segment_(carry, shared, track.support.segments, lambda view, s: view.clamp_(-s, s))
+        buffers["residual"] = torch.sub(values, carry, out=carry).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        buffers.pop("carry")  # its storage now holds the residual: the next clip takes a fresh one
+
+    def draw_codes(self, track: BucketTrack, shared: torch.Tensor) -> torch.Tensor:
+        """t + 1 in {0, 1, 2} per kept entry, with E[shared * t] = value where |value| <= shared (``shared``:
+        one scale per parameter segment), then the zero padding of the lanes' last word (uint8: t = -1 is
+        (0 * 2 - 1) mod 256 = 255, and 255 + 1 wraps to 0). Error feedback keeps what the codes do not carry."""
         buffers, segments, k = track.buffers, track.support.segments, track.support.kept
         values, draws, hit = buffers["values"], buffers["draws"], buffers["hit"]
         prob, codes = buffers["prob"][:k], buffers["codes"][:k]  # past k: the lanes' zero padding
-        per_segment_(prob, scales[:-2], segments, torch.Tensor.div_)  # |value| / shared scale, in [0, 1]
-        if self.clip > 0:
-            prob.clamp_(max=1.0)
+        per_segment_(prob, shared, segments, torch.Tensor.div_)  # |value| / shared scale, in [0, 1] unless clipped
         draws.uniform_(generator=self.random(values.device))
-        torch.lt(draws, prob, out=hit)  # a NaN probability never hits: t = 0
+        torch.lt(draws, prob, out=hit)  # a NaN probability never hits: t = 0; above 1 always hits: +-scale
         # codes = t + 1 = (2 * (value > 0) - 1) * hit + 1, in {0, 1, 2}; the bool views avoid temporaries
         torch.gt(values, 0, out=codes.view(torch.bool))
         codes.mul_(2).sub_(1).mul_(hit.view(torch.uint8)).add_(1)
         if self.error_feedback:
             sent = prob.copy_(codes).sub_(1)  # prob is free again: reuse it for what was sent
-            per_segment_(sent, scales[:-2], segments, torch.Tensor.mul_)
+            per_segment_(sent, shared, segments, torch.Tensor.mul_)
             residual = torch.sub(values, sent, out=buffers.get("residual"))
             buffers["residual"] = residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         return buffers["codes"]
@@ -178,9 +243,21 @@ class PacTrainCompressor(ChainedCompressor):
         if ctx.mode == PACKED:
             MaskTracker.receive_changed(track, tensors[0][-1:])
             return support.scatter(tensors[0], ctx.bucket)
-        scales, lanes = tensors
-        MaskTracker.receive_changed(track, scales[-2:-1])
-        values, dtype = self.decode_values(track, scales, lanes), ctx.bucket.dtype
+        if ctx.mode == TERNARY:
+            scales, lanes = tensors
+            MaskTracker.receive_changed(track, scales[-2:-1])
+            nonfinite, shared = scales[-1], scales[:-2]
+            # the next step's scale, if it goes in one round: the exact shared max, on the grid
+            track.buffers["exponents"] = scale_grid.grid_exponent(shared)
+        else:
+            lanes, = tensors
+            MaskTracker.receive_changed(track, lanes[-2:-1])
+            words = bitpack.packed_words(support.kept, bitpack.lane_bits(self.world_size))
+            nonfinite, shared = lanes[-3], scale_grid.grid_scale(ctx.exponents)
+            track.buffers["exponents"] = scale_grid.next_exponent(lanes[words:-_FLAGS], ctx.exponents, self.world_size)
+            track.buffers["resync"] = host_flag(lanes[-1:] > 0)
+            lanes = lanes[:words]
+        values, dtype = self.decode_values(track, shared, nonfinite, lanes), ctx.bucket.dtype
         if dtype != torch.float32:
             values = self._narrow(track.buffers["draws"], dtype, support.kept).copy_(values)
         return support.scatter(values, ctx.bucket)
@@ -190,14 +267,16 @@ class PacTrainCompressor(ChainedCompressor):
         """The first ``n`` entries of an fp32 buffer's storage seen as a 16-bit ``dtype``."""
         return buffer.view(dtype)[:n]
 
-    def decode_values(self, track: BucketTrack, scales: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
-        """The summed lanes as fp32 values: shared scale * (field - N), per parameter segment."""
+    def decode_values(self, track: BucketTrack, shared: torch.Tensor, nonfinite: torch.Tensor,
+                      lanes: torch.Tensor) -> torch.Tensor:
+        """The summed lanes as fp32 values: shared scale * (field - N), per parameter segment; every entry NaN
+        when ``nonfinite`` (the ranks' count or flag of non-finite values) is above 0."""
         support = track.support
         prob = track.buffers["prob"]  # as long as the lanes' fields, free again after the draws
         values = bitpack.unpack(lanes, support.kept, bitpack.lane_bits(self.world_size), out=prob)
         values.sub_(self.world_size)
         # A non-finite gradient on any rank: every scale becomes NaN, and so every decoded entry.
-        shared = scales[:-2] + torch.where(scales[-1] > 0, torch.nan, 0.0)
+        shared = shared + torch.where(nonfinite > 0, torch.nan, 0.0)
         per_segment_(values, shared, support.segments, torch.Tensor.mul_)
         return values
 
@@ -224,6 +303,11 @@ class PacTrainCompressor(ChainedCompressor):
         return {"generator": {}, "tracker": tracker}
 
 
+ROUNDS_HELP = ("ternary: 1, one all-reduce with the scale carried from the step before (a value above it is "
+               "clipped and its excess carried to the rank's next step); 2, the exact shared scale first, unbiased "
+               "at every step")
+
+
 @register("pactrain", paper="Wang, Wu, Li, Kutscher 2025 (PacTrain, arXiv 2505.18563)")
 def pactrain(
     ternary: Annotated[bool, "ternarise the packed entries (shared per-parameter scale, integer lanes)"] = False,
@@ -235,11 +319,12 @@ def pactrain(
     seed: Annotated[int, Range(0, None), "seed of the ternary draws (each rank draws its own stream from it)"] = 0,
     check_every: Annotated[int, Range(0, None), "compare a packed bucket's masks with those it froze on every this "
                                                 "many steps (edits through .data; 0: never)"] = 10,
+    rounds: Annotated[int, Range(1, 2), ROUNDS_HELP] = 1,
 ) -> Method:
     """PacTrain: only the entries the pruning masks keep are all-reduced, packed densely, once stable."""
-    warn_unused_ternary_options("pactrain", ternary, clip=clip > 0, error_feedback=error_feedback)
+    warn_unused_ternary_options("pactrain", ternary, clip=clip > 0, error_feedback=error_feedback, rounds=rounds != 1)
     return Method(PacTrainCompressor(stable_steps, dense_above, ternary, clip, error_feedback, seed,
-                                     check_every=check_every), NoMemory(),
+                                     check_every=check_every, rounds=rounds), NoMemory(),
                   ChainedAllreduceCommunicator())
 
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from gcomp.collectives.chained import ChainedAllreduceCommunicator
 from gcomp.compressors.hierarchical import HierarchicalCommunicator, HierarchicalCompressor
-from gcomp.compressors.pactrain import PacTrainCompressor, warn_unused_ternary_options
+from gcomp.compressors.pactrain import ROUNDS_HELP, PacTrainCompressor, warn_unused_ternary_options
 from gcomp.core import Method
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -21,7 +21,7 @@ class PruneXCompressor(HierarchicalCompressor):
     On the wire, per bucket: a SUM all-reduce of the whole bucket inside the node; on each leader, across the
     leaders' group, while the tracker checks the masks: the bucket and 5 int64 flags (MAX); once compacted:
     a SUM all-reduce of the kept filters and channels in the bucket's dtype plus one entry flagging mask
-    changes (with ``ternary``: pactrain's scales, then 2-bit-or-wider lanes); then a broadcast inside the node.
+    changes (with ``ternary``: pactrain's lanes, in one round with the scale carried from the step before); then a broadcast inside the node.
     """
 
     label = "prunex"
@@ -39,6 +39,7 @@ def prunex(
     clip: Annotated[float, Range(0, None), "ternary: clip at clip * std per parameter (TernGrad: 2.5; 0 off)"] = 0.0,
     error_feedback: Annotated[bool, "ternary: add what ternarising lost to the next step (on each leader)"] = False,
     seed: Annotated[int, Range(0, None), "seed of the ternary draws (each leader draws its own stream from it)"] = 0,
+    rounds: Annotated[int, Range(1, 2), ROUNDS_HELP] = 1,
 ) -> Method:
     """Dense SUM inside each node; between node leaders only, a dense all-reduce of the kept filters and
     channels, copied out of the bucket as blocks (no index on the wire or per entry); broadcast in each node.
@@ -46,10 +47,11 @@ def prunex(
     The default ``dense_above=1.0`` compacts every bucket, the unpruned ones too (a copy, plus one entry
     that flags mask changes): so masks installed after ``gcomp.install`` (ADMM's hard prune, mid-training)
     are noticed on every leader alike, and the compacted layout is rebuilt. ``clip``, ``error_feedback`` and
-    ``seed`` are pactrain's ternary options, for ``ternary=True``."""
-    warn_unused_ternary_options("prunex", ternary, clip=clip > 0, error_feedback=error_feedback, seed=seed != 0)
+    ``seed`` and ``rounds`` are pactrain's ternary options, for ``ternary=True``."""
+    warn_unused_ternary_options("prunex", ternary, clip=clip > 0, error_feedback=error_feedback, seed=seed != 0,
+                                rounds=rounds != 1)
     packer = PacTrainCompressor(stable_steps, dense_above, ternary, clip, error_feedback, seed, granularity=GROUPS,
-                                check_every=check_every)
+                                check_every=check_every, rounds=rounds)
     packer.tracker.label = "prunex"
     inner = Method(packer, NoMemory(), ChainedAllreduceCommunicator(), name="pactrain")
     return Method(PruneXCompressor(inner, ranks_per_node), NoMemory(), HierarchicalCommunicator())

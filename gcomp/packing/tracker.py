@@ -196,13 +196,16 @@ class MaskTracker:
         else:
             track.support = support
             track.mask_digest = self._mask_digest(info)
-        if "residual" in saved:
-            track.buffers["residual"] = saved["residual"].to(device)
+        for key in ("residual", "exponents"):  # what a method kept per support: see state_dict
+            if key in saved:
+                track.buffers[key] = saved[key].to(device)
         return track
 
     def state_dict(self) -> dict:
         """Per bucket layout: mode, stable count, the flags received last, the digest of the frozen (or
-        candidate) support and the error-feedback residual."""
+        candidate) support, and what the method keeps with the support: the residual (error feedback, or a
+        carried excess) and the exponents of the ternary scale carried to the next step (none when a resync is
+        pending: the next step takes the exact scale then)."""
         out = {}
         for key, t in self.tracks.items():
             entry = {"mode": t.mode, "stable": t.stable}
@@ -216,6 +219,9 @@ class MaskTracker:
                 entry["digest"] = support.digest.cpu()
             if "residual" in t.buffers:
                 entry["residual"] = t.buffers["residual"]
+            resync = "resync" in t.buffers and bool(read_host_flag(t.buffers["resync"]).any())
+            if "exponents" in t.buffers and not resync:
+                entry["exponents"] = t.buffers["exponents"].cpu()
             out[key] = entry
         return out
 
@@ -271,7 +277,8 @@ class MaskTracker:
 def _check_track(where: str, entry) -> None:
     """A checkpointed track, checked before it is kept: a bad one must fail at load, not at a later step."""
     check_state(where, entry, {"mode": str, "stable": int},
-                {"pending": torch.Tensor, "digest": torch.Tensor, "residual": torch.Tensor})
+                {"pending": torch.Tensor, "digest": torch.Tensor, "residual": torch.Tensor,
+                 "exponents": torch.Tensor})
     if entry["mode"] not in (TRACKING, PACKED, DENSE):
         raise ValueError(f"{where}: 'mode' must be one of {TRACKING!r}, {PACKED!r}, {DENSE!r}; got {entry['mode']!r}")
     if entry["stable"] < 0:
@@ -281,6 +288,8 @@ def _check_track(where: str, entry) -> None:
     for key, shape, dtype in (("digest", (2,), torch.int64), ("pending", (2,), torch.bool)):
         if key in entry and (tuple(entry[key].shape) != shape or entry[key].dtype != dtype):
             raise ValueError(f"{where}: {key!r} must be a {dtype} tensor of shape {shape}")
+    if "exponents" in entry and (entry["exponents"].dim() != 1 or entry["exponents"].dtype != torch.int64):
+        raise ValueError(f"{where}: 'exponents' must be a 1-D torch.int64 tensor")
     if "residual" in entry and not bool(torch.isfinite(entry["residual"]).all()):
         raise ValueError(f"{where}: 'residual' holds non-finite values")
 
@@ -294,3 +303,17 @@ def _to_host(flags: torch.Tensor) -> tuple:
     copied = torch.cuda.Event()
     copied.record()
     return host, copied
+
+
+def host_flag(flags: torch.Tensor) -> tuple:
+    """``flags`` on their way to the host, to be read at the next step (``read_host_flag``): on a GPU an
+    asynchronous copy, so that the step that receives them never waits on it."""
+    return _to_host(flags)
+
+
+def read_host_flag(pending: tuple) -> torch.Tensor:
+    """The host copy of what ``host_flag`` sent, once its copy is done."""
+    host, copied = pending
+    if copied is not None:
+        copied.synchronize()
+    return host

@@ -26,7 +26,7 @@ EDIT_AT = 6  # a mask edit happens just before the forward of this step (after a
 BUCKET_MB = 0.001  # 250 fp32 entries: the pruned MLP splits into 3 buckets after DDP's rebuild, the CNN into 2
 LR, MOMENTUM = 0.1, 0.9
 STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "warmup_steps", "layouts",
-             "packed_buckets", "freezes", "unfreezes", "mask_mismatches")
+             "packed_buckets", "freezes", "unfreezes", "mask_mismatches", "one_round_buckets", "scale_resyncs")
 
 
 @dataclass(frozen=True)

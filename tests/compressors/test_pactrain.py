@@ -17,6 +17,7 @@ from torch.nn.utils import prune
 
 from gcomp import BucketInfo
 from gcomp.collectives.bitpack import WORD_BITS, fields_per_word, lane_bits, pack, packed_words, unpack
+from gcomp.compressors import scale_grid
 from gcomp.compressors.pactrain import PacTrainCompressor
 from gcomp.pruning import mask_of
 from tests.compressors import pactrain_jobs as jobs
@@ -100,7 +101,7 @@ def _exchange(comps, info: BucketInfo, grads: list[torch.Tensor]) -> tuple[str, 
             p.tensors[0] = scales.clone()
             c.second_round(p)
         received = [scales, torch.stack([p.tensors[1] for p in payloads]).sum(0)]
-    else:
+    else:  # packed, ternary in one round (a single SUM), dense, tracking
         received = [torch.stack([p.tensors[0] for p in payloads]).sum(0)]
         if mode == "tracking":
             received.append(_max([p.tensors[1] for p in payloads]))
@@ -117,27 +118,32 @@ def _reach(mode: str, comps, info: BucketInfo, grads) -> None:
 SAMPLES = 1000
 
 
-@pytest.mark.parametrize("world", [1, 4])
-def test_ternary_is_unbiased(world):
+@pytest.mark.parametrize("world, rounds", [(1, 2), (4, 2), (1, 1), (4, 1)])
+def test_ternary_is_unbiased(world, rounds):
     """The mean of the decoded ``s * T`` over many steps approaches the sum of the ranks' gradients on the support,
     within 6 standard errors from the per-entry variance ``sum_i s * |g_i| - g_i**2``; off the support it is
-    exactly 0, and every step decodes to a multiple ``s * T`` with integer ``|T| <= N``."""
+    exactly 0, and every step decodes to a multiple ``s * T`` with integer ``|T| <= N``. The scale ``s`` is the
+    shared max |g| (two rounds), or in one round that max's eighth-octave grid point, carried from the step
+    before (the gradients repeat, so nothing outgrows it)."""
     model, info, support = _tiny_pruned()
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(info.numel, generator=g) for _ in range(world)]
     zero = support.nonzero().reshape(-1)[[0, 1, 2, 10, 30]]  # the whole first parameter (3 biases) and two more
     for grad in grads:
         grad[zero] = 0.0  # no variance: must come out exactly 0 (a scale of 0 too, for the first parameter)
-    comps = _compressors(world, model, ternary=True)
+    comps = _compressors(world, model, ternary=True, rounds=rounds)
     _reach("ternary", comps, info, grads)
 
-    # the shared scale of each entry: max |g| over every rank's kept entries of its parameter
+    # the shared scale of each entry: max |g| over every rank's kept entries of its parameter (one round: its
+    # grid point)
     scale = torch.zeros(info.numel, dtype=torch.float64)
     for (_, offset, numel) in info.segments():
         part = slice(offset, offset + numel)
         kept_part = support[part]
         if kept_part.any():
-            scale[part] = max(float(gr[part][kept_part].abs().max()) for gr in grads)
+            most = max(float(gr[part][kept_part].abs().max()) for gr in grads)
+            scale[part] = most if rounds == 2 or most == 0 else float(
+                scale_grid.grid_scale(scale_grid.grid_exponent(torch.tensor([most]))))
     stacked = torch.stack(grads).double()
     expected = torch.where(support, stacked.sum(0), 0.0)
     variance = (scale * stacked.abs() - stacked**2).sum(0)
@@ -145,7 +151,7 @@ def test_ternary_is_unbiased(world):
     total = torch.zeros(info.numel, dtype=torch.float64)
     for _ in range(SAMPLES):
         mode, decoded = _exchange(comps, info, grads)
-        assert mode == "ternary"
+        assert mode == ("ternary" if rounds == 2 else "ternary1")
         assert all(torch.equal(d, decoded[0]) for d in decoded[1:]), "ranks decoded different values"
         d = decoded[0].double()
         assert (d[~support] == 0).all() and (d[scale == 0] == 0).all()
@@ -162,11 +168,69 @@ def test_ternary_is_unbiased(world):
     assert torch.equal(mean[zero], torch.zeros(len(zero), dtype=torch.float64))
 
 
+def test_one_round_carries_what_its_scale_clipped_so_the_steps_add_up():
+    """One round: gradients alternate between g and 3g, so every second step outgrows the scale carried from the
+    step before; what goes above it is sent as +-scale and the excess comes back in the rank's next step. Over
+    many steps the mean of what was decoded is the mean gradient (within 6 standard errors and what the last
+    carry still holds); without the carry the 3g steps would lose a third or more of their largest entries."""
+    model, info, support = _tiny_pruned()
+    world, g = 2, torch.Generator().manual_seed(4)
+    small = [torch.randn(info.numel, generator=g) * support for _ in range(world)]
+    comps = _compressors(world, model, ternary=True)
+    _reach("ternary", comps, info, small)
+    total, steps = torch.zeros(info.numel, dtype=torch.float64), 1000
+    for step in range(steps):
+        grads = small if step % 2 else [3 * x for x in small]
+        mode, decoded = _exchange(comps, info, grads)
+        assert mode == "ternary1"
+        assert all(torch.equal(d, decoded[0]) for d in decoded[1:])
+        total += decoded[0].double()
+    expected = 2 * torch.stack(small).double().sum(0)  # mean of g and 3g, summed over ranks
+    largest = max(float(x.abs().max()) for x in small)
+    bound = 6 * (3 * largest * 3 * torch.stack(small).abs().double().sum(0) / steps).sqrt() + 3 * world * largest / steps
+    assert ((total / steps - expected).abs() <= bound + 1e-6).all()
+    assert all(c.stats.get("scale_resyncs", 0) == 0 for c in comps)
+
+
+def test_a_segment_without_a_scale_resyncs_and_loses_nothing():
+    """A parameter zero on every rank when the scale was shared has no scale: when it turns non-zero, its
+    values are kept back (carried) and a resync is asked for in the same all-reduce; the next step takes the
+    exact scale in two rounds and sends them, exactly here (every entry at the shared max)."""
+    model, info, support = _tiny_pruned()
+    world, g = 2, torch.Generator().manual_seed(5)
+    grads = [torch.randn(info.numel, generator=g) * support for _ in range(world)]
+    bias = slice(0, 3)  # "1.bias", first in the bucket, never pruned
+    for x in grads:
+        x[bias] = 0.0
+    comps = _compressors(world, model, ternary=True)
+    for c in comps:
+        c.stats = {"scale_resyncs": 0, "one_round_buckets": 0}
+    _reach("ternary", comps, info, grads)  # the two-round step: the bias has no scale
+    turned = [x.clone() for x in grads]
+    turned[0][bias] = 2.0
+    mode, decoded = _exchange(comps, info, turned)
+    assert mode == "ternary1" and all((d[bias] == 0).all() for d in decoded)
+    mode, decoded = _exchange(comps, info, grads)  # the bias is zero again: only the carry is left to send
+    assert mode == "ternary" and all(c.stats["scale_resyncs"] == 1 for c in comps)
+    assert all(torch.equal(d[bias], torch.full((3,), 2.0)) for d in decoded)
+    assert _exchange(comps, info, grads)[0] == "ternary1"
+
+
+def test_two_rounds_are_kept_when_asked():
+    model, info, support = _tiny_pruned()
+    grads = [torch.randn(info.numel, generator=torch.Generator().manual_seed(6)) for _ in range(2)]
+    comps = _compressors(2, model, ternary=True, rounds=2)
+    _reach("ternary", comps, info, grads)
+    assert [_exchange(comps, info, grads)[0] for _ in range(3)] == ["ternary"] * 3
+    with pytest.raises(ValueError, match="rounds"):
+        PacTrainCompressor(ternary=True, rounds=3)
+
+
 @pytest.mark.parametrize("clip", [2.5, float("inf")])
 def test_ternary_clipping_sends_a_one_entry_parameter_as_it_is(clip):
     """A one-entry parameter has standard deviation 0, so ``clip * std`` is 0 (or NaN for an infinite clip). By
-    TernGrad's rule (``quantise.segment_scales``) such a cap is ignored: the scale stays max |g|, and a bias of
-    -10 on every rank is sent exactly (probability 1), neither as 0 nor as NaN."""
+    TernGrad's rule (``quantise.segment_scales``) such a cap is ignored: the exact shared scale (two rounds)
+    stays max |g|, and a bias of -10 on every rank is sent exactly (probability 1), neither as 0 nor as NaN."""
     g = torch.Generator().manual_seed(3)
     model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 1))
     prune.custom_from_mask(model[0], "weight", (torch.rand(6, 8, generator=g) < 0.5).float())
@@ -178,7 +242,7 @@ def test_ternary_clipping_sends_a_one_entry_parameter_as_it_is(clip):
     grads = [torch.randn(info.numel, generator=g) for _ in range(world)]
     for grad in grads:
         grad[0] = -10.0
-    comps = _compressors(world, model, ternary=True, clip=clip)
+    comps = _compressors(world, model, ternary=True, clip=clip, rounds=2)
     _reach("ternary", comps, info, grads)
     for decoded in _exchange(comps, info, grads)[1]:
         assert decoded[0] == -10.0 * world, decoded[0]
@@ -284,9 +348,10 @@ def _step_bytes(run: dict, world: int, ternary: bool, dense_above: float = 0.9) 
     """What one step sends once every bucket froze, from the final masks and the hook's bucket layouts:
     ``(bytes sent, bytes of a plain fp32 all-reduce, buckets packed)``.
 
-    Packed: the kept entries plus 1 flag entry, fp32. Ternary: one fp32 scale per parameter plus 2 flag slots,
-    then one ``lane_bits(N)``-bit field per kept entry in int64 words. A bucket keeping more than
-    ``dense_above`` goes whole."""
+    Packed: the kept entries plus 1 flag entry, fp32. Ternary (after its first packed step: one round): one
+    ``lane_bits(N)``-bit field per kept entry in int64 words, the counting lanes of the next scale
+    (``scale_grid.hist_words`` per bucket) and 3 int64 counts. A bucket keeping more than ``dense_above`` goes
+    whole."""
     sent = dense = packed = 0
     for names, numels in run["layouts"]:
         numel = sum(numels)
@@ -295,7 +360,7 @@ def _step_bytes(run: dict, world: int, ternary: bool, dense_above: float = 0.9) 
         if kept > dense_above * numel:
             sent += 4 * numel
         elif ternary:
-            sent += 4 * (len(names) + 2) + 8 * packed_words(kept, lane_bits(world))
+            sent += 8 * (packed_words(kept, lane_bits(world)) + scale_grid.hist_words(len(names), world) + 3)
             packed += 1
         else:
             sent += 4 * (kept + 1)
@@ -328,8 +393,9 @@ def test_packed_steps_send_the_kept_fraction(world, name):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ternary_packed_steps_send_lane_bits_per_kept_entry(world):
-    """Ternary after the freeze: the exact bytes of ``_step_bytes``, and at most the kept fraction times
-    ``lane_bits(N) / 32`` (4/32 on 4 ranks) plus the scales and each bucket's last, partly filled word."""
+    """Ternary after the freeze, in one round: the exact bytes of ``_step_bytes``, and at most the kept fraction
+    times ``lane_bits(N) / 32`` (4/32 on 4 ranks) plus the next scale's counting lanes, the 3 counts and each
+    bucket's last, partly filled word; no bucket took two rounds after its first packed step."""
     for run in _runs(world, "ternary"):
         steps, grown = _since_last_freeze(run["history"])
         sent, dense, packed = _step_bytes(run, world, ternary=True)
@@ -344,8 +410,9 @@ def test_ternary_packed_steps_send_lane_bits_per_kept_entry(world):
             if kept > 0.9 * numel:
                 bound += 4 * numel
             else:
-                bound += 4 * kept * lane_bits(world) / 32 + 4 * (len(names) + 2) + 8
+                bound += 4 * kept * lane_bits(world) / 32 + 8 * (scale_grid.hist_words(len(names), world) + 3) + 8
         assert grown["bytes_sent"] <= steps * bound
+        assert grown["one_round_buckets"] == steps * packed and grown["scale_resyncs"] == 0
 
 
 # --- the mask tracker in DDP -------------------------------------------------------------------------------------
