@@ -15,13 +15,14 @@ from gcomp import checkpoint
 from gcomp.bucket import BucketInfo
 from gcomp.collectives import futures
 from gcomp.collectives.allreduce import all_reduce_all
+from gcomp.collectives.counting import COUNTER_KEYS
 from gcomp.core import Method, Payload
 from gcomp.registry import create
 
 _log = logging.getLogger("gcomp")
 STATE_FORMAT = checkpoint.STATE_FORMAT
 _STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "encode_s", "decode_s",
-              "warmup_steps", "dense_buckets", "layouts")
+              "warmup_steps", "dense_buckets", "layouts", *COUNTER_KEYS)
 
 
 class HookState:
@@ -50,7 +51,15 @@ class HookState:
     - ``warmup_steps``: steps sent as a plain all-reduce because DDP's buckets were not final yet
       (stateful methods only; DDP rebuilds its buckets after step 0, after step 1 with ``static_graph``);
     - ``dense_buckets``: bucket reductions sent as plain all-reduce for that reason;
-    - ``layouts``: distinct bucket layouts seen (a rebuild shows up here).
+    - ``layouts``: distinct bucket layouts seen (a rebuild shows up here);
+    - ``rounds``: sequential latency rounds the communicator ran, all buckets (``gcomp.collectives.counting``;
+      like the three pairs below, the warm-up's plain all-reduces are not counted);
+    - ``allreduce_calls`` / ``allreduce_bytes``: all-reduces launched, and the bytes handed to them;
+    - ``allgather_calls`` / ``allgather_bytes``: all-gathers launched, and this rank's contribution to them;
+    - ``p2p_rounds`` / ``p2p_bytes``: point-to-point rounds, and per round the larger of the bytes sent and
+      received; ``gcomp simulate`` prices a step from these counts;
+    - ``round_work_s``: host seconds of codec work between a communicator's rounds (a chained codec's second
+      round, a point-to-point program's selections), which ``encode_s`` and ``decode_s`` do not hold.
 
     A method may add counters of its own (its compressor's and communicator's ``stat_keys``: ``pactrain``
     counts its mask tracker's switches, ``threshold`` its padding, ``hierarchical`` its inter-node bytes).

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gcomp.collectives.counting import count_collectives, count_round
 from gcomp.collectives.futures import launched, when_all_done
 from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
 
@@ -25,4 +26,6 @@ class AllgatherCommunicator(Communicator):
             out = t.new_empty(world * t.numel())  # gloo wants the flat form
             futures.append(launched(dist.all_gather_single(out, t.contiguous(), group=group, async_op=True)))
             outputs.append(out.view(world, *t.shape))
+        count_collectives(stats, "allgather", payload.tensors)
+        count_round(stats)
         return when_all_done(futures, outputs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gcomp.collectives.counting import count_collectives, count_round
 from gcomp.collectives.futures import launched, when_all_done
 from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
 
@@ -30,6 +31,8 @@ class SizedAllgatherCommunicator(Communicator):
         mine = torch.full((1,), length, dtype=torch.int64, device=tensors[0].device)
         sizes = mine.new_empty(world)
         dist.all_gather_single(sizes, mine, group=group)  # synchronous: the width is needed to pad
+        count_collectives(stats, "allgather", [mine])
+        count_round(stats)
         width = max(1, int(sizes.max()))
         outputs, futures, padding = [], [], mine.numel() * mine.element_size()
         for t in tensors:
@@ -39,6 +42,8 @@ class SizedAllgatherCommunicator(Communicator):
             out = t.new_empty(world * padded.numel())  # gloo wants the flat form
             futures.append(launched(dist.all_gather_single(out, padded, group=group, async_op=True)))
             outputs.append(out.view(world, *padded.shape))
+            count_collectives(stats, "allgather", [padded])
+        count_round(stats)
         if stats is not None:
             stats["padding_bytes"] += padding
             stats["bytes_sent"] += padding

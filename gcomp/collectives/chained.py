@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from gcomp.collectives.allreduce import AllreduceCommunicator, all_reduce_all
+from gcomp.collectives.counting import count_collectives, count_round, round_work
 from gcomp.core import ALLREDUCE, Compressor, Payload
 
 
@@ -39,8 +40,11 @@ class ChainedAllreduceCommunicator(AllreduceCommunicator):
     def exchange(self, payload: Payload, compressor: ChainedCompressor, group: dist.ProcessGroup | None,
                  stats: dict | None = None) -> torch.futures.Future:
         if not compressor.chained(payload):
-            return all_reduce_all(payload, group)
+            return all_reduce_all(payload, group, stats=stats)
         first = payload.tensors[0]
         dist.all_reduce(first, payload.op(0), group=group)
-        compressor.second_round(payload)
-        return all_reduce_all(payload, group, start=1).then(lambda f: [first, *f.value()])
+        count_collectives(stats, "allreduce", [first])
+        count_round(stats)
+        with round_work(stats):
+            compressor.second_round(payload)
+        return all_reduce_all(payload, group, start=1, stats=stats).then(lambda f: [first, *f.value()])

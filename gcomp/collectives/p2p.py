@@ -15,6 +15,7 @@ from typing import Any, Generator, Sequence
 import torch
 import torch.distributed as dist
 
+from gcomp.collectives.counting import count_p2p_round, round_work
 
 _ALIGN = 8  # every section starts at a multiple of 8 bytes, so any dtype can be viewed in place
 
@@ -65,31 +66,37 @@ def unpack(message: torch.Tensor, sections: Sequence[tuple[torch.dtype, int]]) -
 
 
 def run_program(program: Program, group: dist.ProcessGroup | None = None,
-                device: torch.device | str = "cpu") -> tuple[Any, int, int]:
+                device: torch.device | str = "cpu", stats: dict | None = None) -> tuple[Any, int, int]:
     """Run one rank's program on ``group``; returns ``(its result, bytes this rank sent, messages sent)``.
 
-    Receive buffers are allocated on ``device``. Each round posts all its sends and receives at once and
+    Receive buffers are allocated on ``device``. Each round with traffic on this rank is counted in ``stats``
+    (``gcomp.collectives.counting.count_p2p_round``), and the program's own work between rounds (selections,
+    merges) is timed as ``round_work_s``. Each round posts all its sends and receives at once and
     waits for them (gloo's point-to-point work has no future, and the next round depends on this one).
     Zero-byte messages are skipped on both sides.
     """
     sent = messages = 0
     try:
-        plan = next(program)
+        with round_work(stats):
+            plan = next(program)
         while True:
-            ops, received = [], {}
+            ops, received, round_sent = [], {}, 0
             for peer, message in plan.sends.items():
                 if message.numel():
                     ops.append(dist.P2POp(dist.isend, message, group=group, group_peer=peer))
-                    sent += message.numel()
+                    round_sent += message.numel()
                     messages += 1
             for peer, nbytes in plan.recvs.items():
                 buffer = received[peer] = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 if nbytes:
                     ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
+            sent += round_sent
+            count_p2p_round(stats, round_sent, sum(plan.recvs.values()))
             if ops:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
-            plan = program.send(received)
+            with round_work(stats):
+                plan = program.send(received)
     except StopIteration as done:
         return done.value, sent, messages
 

@@ -85,7 +85,7 @@ class ProgramCommunicator(Communicator):
                  stats: dict | None = None) -> torch.futures.Future:
         ctx: ScheduledCtx = payload.ctx
         program = compressor.program(ctx, dist.get_rank(group), dist.get_world_size(group))
-        result, sent, messages = run_program(program, group, device=ctx.compensated.device)
+        result, sent, messages = run_program(program, group, device=ctx.compensated.device, stats=stats)
         if stats is not None:
             stats["bytes_sent"] += sent
             stats["messages"] += messages
