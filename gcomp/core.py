@@ -194,6 +194,15 @@ class Compressor(_Checkpointed, ABC):
         the default keeps nothing. A codec used outside a hook is never bound.
         """
 
+    def install_flags(self) -> torch.Tensor | None:
+        """int64 flags this codec wants MAX all-reduced over its process group once, right after ``bind`` (the
+        hook state runs that collective: a codec never does); None, the default, for none. Whether a codec
+        returns flags must not depend on its rank or model: every rank must join the collective or none."""
+        return None
+
+    def receive_install_flags(self, flags: torch.Tensor) -> None:
+        """The MAX over the ranks of ``install_flags`` (on the CPU), the same on every rank."""
+
     @abstractmethod
     def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Payload:
         """Encode a flat gradient into the tensors that go on the wire."""

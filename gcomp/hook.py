@@ -118,7 +118,21 @@ class HookState:
                           "pruning masks and sends every bucket dense; pass model= to gcomp.comm_hook, or call "
                           "state.bind(model) before the first step", UserWarning, stacklevel=4)
         self.method.compressor.bind(self.model, self.group, self.stats)
+        self._agree_at_install()
         self._ready = True
+
+    def _agree_at_install(self) -> None:
+        """The codec's one collective at bind time (``Compressor.install_flags``: pactrain's digest of the pruning
+        masks, so that its buckets pack from the first step on DDP's final layout), run here: a codec never
+        calls one."""
+        compressor = self.method.compressor
+        flags = compressor.install_flags()
+        if flags is None:
+            return
+        if dist.get_backend(self.group) == "nccl":  # NCCL reduces CUDA tensors only
+            flags = flags.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.group)
+        compressor.receive_install_flags(flags.cpu())
 
     def _name_by_place(self, bucket) -> None:
         """Without a model, a parameter is named by where it is first seen: bucket and position."""

@@ -84,6 +84,12 @@ class PacTrainCompressor(ChainedCompressor):
         self.rank, self.world_size = rank_and_world(group)
         self.random.bind(self.rank)  # independent draws per rank
 
+    def install_flags(self) -> torch.Tensor:
+        return self.tracker.install_flags()
+
+    def receive_install_flags(self, flags: torch.Tensor) -> None:
+        self.tracker.receive_install_flags(flags)
+
     def _count(self, key: str) -> None:
         if key in self.stats:
             self.stats[key] += 1

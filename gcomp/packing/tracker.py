@@ -8,12 +8,16 @@ so ranks never disagree on which collective comes next:
   would freeze. After ``stable_steps`` steps in which no rank's masks changed, the support is built from the
   weight masks (never from a rank's own gradient zeros, which differ across ranks) and its digest is sent;
   the next step freezes it if every rank's digest matched, or warns and tracks on if not.
-  Masks that are the very ones the tracker was bound with (``install``), unchanged since, need no waiting:
-  a bucket's first step already sends its candidate, so it travels packed from its second step (DDP's
-  final buckets: the second step the method sees, the third of training by default). That one step is the
-  agreement every rank needs before any packs, taken without a collective of the method's own. A rank
-  whose masks changed since install offers no candidate; the others see a candidate count of 0 beside
-  theirs, count it as a change, and every rank tracks as above.
+  Masks present when the tracker was bound (``install``) need neither the waiting nor that agreeing step when
+  every rank's digest of them agreed there (``install_flags``: one MAX all-reduce the hook state runs at
+  bind time; a codec never calls a collective): a bucket freezes at its first step on a bool copy of those
+  masks, so it travels packed from the first step on DDP's final buckets (the second of training by
+  default). A rank whose masks changed since install packs on the agreed copy that step and flags the
+  change, as in ``packed`` below. Without that agreement (no process group at bind time, masks that
+  differed), masks the very ones of install, unchanged since, still skip the waiting: a bucket's first step
+  sends its candidate, so it travels packed from its second step. A rank whose masks changed since install
+  offers no candidate; the others see a candidate count of 0 beside theirs, count it as a change, and every
+  rank tracks as above.
 - ``packed``: only the support goes, densely packed, with one extra entry: how many ranks saw their masks
   change (SUM; in ``pactrain``'s ternary path a flag slot of the MAX-reduced scales: whether any did). Any change sends every rank back to ``tracking`` at the next step (a warning, ``unfreezes``).
 - ``dense``: the frozen support keeps more than ``dense_above`` of the bucket (say, a bucket of biases and
@@ -78,6 +82,9 @@ class MaskTracker:
         self.tracks: dict[str, BucketTrack] = {}
         self._restored: dict[str, dict] = {}  # checkpointed tracks, taken up when their layout comes back
         self._installed: dict[str, tuple] = {}  # each mask's (identity, version) when the tracker was bound
+        # the masks at bind time, as bools, once every rank's digest of them agreed (``receive_install_flags``):
+        # a bucket freezes on them at its first step, and gives its parameters' copies back
+        self._agreed: dict[str, torch.Tensor] | None = None
 
     def bind(self, model: nn.Module | None, stats: dict) -> None:
         self.model, self.stats = model, stats
@@ -89,6 +96,22 @@ class MaskTracker:
                           "goes as a dense all-reduce until masks appear; prune it first (gcomp.pruning.prune)",
                           UserWarning, stacklevel=3)
 
+    def install_flags(self) -> torch.Tensor:
+        """``[hash, count, -hash, -count]`` of the digest of every mask the model holds at bind time (all zero
+        without masks), to be MAX-reduced once over the ranks (the hook state does it)."""
+        masks = named_masks(self.model) if self.model is not None else {}
+        digest = masks_digest(m for m in masks.values()).cpu()
+        return torch.cat([digest, -digest])
+
+    def receive_install_flags(self, flags: torch.Tensor) -> None:
+        """Every rank held the same masks at bind time (the MAX of both signs agrees): keep a bool copy of them,
+        so that each bucket freezes on them at its first step, with no agreeing step of its own. A rank whose
+        masks changed since then packs on these agreed ones that step and flags the change (every rank then
+        tracks again), as a packed step does."""
+        if self.model is None or flags[1] <= 0 or not torch.equal(flags[:2], -flags[2:]):
+            return
+        self._agreed = {name: mask.detach() != 0 for name, mask in named_masks(self.model).items()}
+
     def _masks(self, info: BucketInfo) -> list[torch.Tensor | None]:
         if self.model is None:
             return [None] * len(info.names)
@@ -97,9 +120,9 @@ class MaskTracker:
     def _signature(self, info: BucketInfo) -> tuple:
         return tuple(None if m is None else (id(m), m._version) for m in self._masks(info))
 
-    def _build(self, info: BucketInfo, device) -> Support:
+    def _build(self, info: BucketInfo, device, masks: list | None = None) -> Support:
         params = []
-        for name, numel, mask in zip(info.names, info.numels, self._masks(info)):
+        for name, numel, mask in zip(info.names, info.numels, self._masks(info) if masks is None else masks):
             if mask is None or self.model is None:
                 params.append((torch.Size([numel]), (1,), None))
             else:
@@ -119,6 +142,10 @@ class MaskTracker:
         track.signature = signature
         if track.fresh:
             track.fresh = False
+            if self._agreed is not None and any(n in self._agreed for n in info.names):
+                agreed = [self._agreed.pop(n, None) for n in info.names]
+                self._freeze(track, self._build(info, device, agreed), info)
+                return track, signature != tuple(self._installed.get(n) for n in info.names)
             if any(s is not None for s in signature):  # a bucket of pruned parameters
                 if signature == tuple(self._installed.get(n) for n in info.names):
                     track.candidate = self._build(info, device)  # its digest goes with this step's flags

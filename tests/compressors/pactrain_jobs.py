@@ -38,7 +38,8 @@ class Config:
     params: dict = field(default_factory=dict)
     steps: int = STEPS
     reference: bool = True  # also train the plain DDP twin
-    edit: str | None = None  # an EDITS entry, applied before the forward of step EDIT_AT
+    edit: str | None = None  # an EDITS entry, applied before the forward of step edit_at
+    edit_at: int = EDIT_AT
     differ: bool = False  # rank 1 holds other masks from the start (needs NO_SYNC)
     no_warmup: bool = False  # the hook's warm-up cut to 0: the tracker sees DDP's initial layout and its rebuild
 
@@ -55,6 +56,8 @@ CONFIGS = {
     "mismatch": Config(ddp=NO_SYNC, params={"stable_steps": 2}, differ=True),
     "diverge": Config(ddp=NO_SYNC, params={"stable_steps": 2}, edit="prune_more_on_rank_1", steps=14),
     "reprune": Config(params={"stable_steps": 2}, edit="reprune_everywhere", steps=14),
+    # rank 1 prunes more during DDP's warm-up, after install agreed on the masks
+    "early_edit": Config(ddp=NO_SYNC, params={"stable_steps": 2}, edit="prune_more_on_rank_1", edit_at=0, steps=8),
 }
 
 
@@ -140,7 +143,7 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 def _steps(config: Config, ddp_model, opt, state, start: int, stop: int, history: list) -> None:
     for step in range(start, stop):
-        if config.edit is not None and step == EDIT_AT:
+        if config.edit is not None and step == config.edit_at:
             EDITS[config.edit](ddp_model.module)
         x, y = _batch(config, step)
         opt.zero_grad()

@@ -418,11 +418,11 @@ def test_ternary_packed_steps_send_lane_bits_per_kept_entry(world):
 # --- the mask tracker in DDP -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, warmup", [("basic", 1), ("static", 2)])
-def test_packs_from_the_second_step_on_the_final_buckets(name, warmup):
-    """Nothing is packed during the hook's warm-up (DDP's rebuild: 1 step, 2 with static_graph) nor in the one
-    step on the final layout that agrees on the supports; the masks were pruned before install and never
-    change, so there is no waiting for ``stable_steps`` (5): every bucket packs from the next step on."""
-    first = warmup + 1
+def test_packs_from_the_first_step_on_the_final_buckets(name, warmup):
+    """Nothing is packed during the hook's warm-up (DDP's rebuild: 1 step, 2 with static_graph); the masks were
+    pruned before install, every rank's digest of them agreed there, and they never change, so there is no
+    waiting for ``stable_steps`` (5) nor an agreeing step: every bucket packs from the first final step on."""
+    first = warmup
     for run in _runs(2, name):
         history = run["history"]
         assert [h["packed_buckets"] for h in history[:first]] == [0] * first
@@ -430,18 +430,19 @@ def test_packs_from_the_second_step_on_the_final_buckets(name, warmup):
                                                                                         for h in history])]
         assert set(packed[first:]) == {history[first]["packed_buckets"]} and packed[first] > 0  # all, each step
         assert history[-1]["warmup_steps"] == warmup
-        assert history[first - 1]["layouts"] == history[-1]["layouts"] == len(run["layouts"]) == 3
+        assert history[first]["layouts"] == history[-1]["layouts"] == len(run["layouts"]) == 3
 
 
 def test_survives_the_rebuild():
-    """With the warm-up cut to 0 the tracker sees DDP's initial one-bucket layout, then the 3 rebuilt ones, and
-    tracks the new ones from scratch: their masks are those of install, so after one agreeing step on the
-    rebuilt layout (step 1) both pruned buckets pack from step 2."""
+    """With the warm-up cut to 0 the tracker sees DDP's initial one-bucket layout, then the 3 rebuilt ones. The
+    initial bucket packs at once, on the masks agreed at install (it takes their copies); the new layouts are
+    tracked from scratch: their masks are those of install, so after one agreeing step on the rebuilt layout
+    (step 1) both pruned buckets pack from step 2."""
     for run in _runs(2, "rebuild"):
         history = run["history"]
         assert history[0]["layouts"] == 1 and history[-1]["layouts"] == 4
-        assert [h["packed_buckets"] for h in history[:2]] == [0] * 2
-        assert history[2]["packed_buckets"] == 2 and history[3]["packed_buckets"] == 4
+        assert [h["packed_buckets"] for h in history[:2]] == [1] * 2
+        assert history[2]["packed_buckets"] == 1 + 2 and history[3]["packed_buckets"] == 1 + 4
 
 
 def test_a_rank_with_other_masks_is_detected_and_sent_dense():
@@ -456,6 +457,19 @@ def test_a_rank_with_other_masks_is_detected_and_sent_dense():
         assert last["packed_buckets"] == 0 and last["freezes"] == 1 and last["unfreezes"] == 0
         assert last["mask_mismatches"] == 4 * 2
         assert sum("different masks" in w for w in run["warnings"]) == 4 * 2
+
+
+def test_masks_changed_between_install_and_the_first_step_pack_on_the_agreed_ones():
+    """Rank 1 prunes more during DDP's warm-up, after install agreed on the masks: the first step on the final
+    layout packs both pruned buckets on the masks agreed at install and carries rank 1's change, so every rank
+    unfreezes them at the next step, with a warning, and then finds the digests differ. Equality with plain
+    DDP: test_lossless_training_equals_plain_ddp."""
+    for run in _runs(2, "early_edit"):
+        history = run["history"]
+        assert history[0]["packed_buckets"] == 0 and history[1]["packed_buckets"] == 2
+        assert history[1]["unfreezes"] == 0 and history[2]["unfreezes"] == history[-1]["unfreezes"] == 2
+        assert history[-1]["packed_buckets"] == 2 and history[-1]["mask_mismatches"] > 0
+        assert sum("changed on some rank" in w for w in run["warnings"]) == 2
 
 
 def test_one_rank_changing_its_masks_falls_back_to_dense():
