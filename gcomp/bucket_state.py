@@ -107,3 +107,47 @@ class KeptInBucketState:
 
     def parameter_state(self, state: dict) -> dict:
         return {slot: state[slot] for slot in self._state.slots}
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """True when no tensor but ``t`` uses ``t``'s storage (no view of it, nothing handed out is alive)."""
+    # two references: ``t`` itself and the temporary storage object asked here
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+
+
+class Scratch:
+    """Work buffers kept per bucket layout across steps: not state (never checkpointed), only memory reused.
+
+    A fresh bucket-sized allocation costs several copies of the bucket on a CPU (its pages are faulted in
+    anew at every step); writing into a tensor that exists costs nothing more. ``take`` hands out a buffer that
+    nobody else holds: one of the up to ``slots`` kept for the layout whose storage no other tensor shares (a
+    tensor handed out earlier, or a view of it, that is still alive keeps its buffer out of reach), else a
+    fresh one, kept while a slot is free. So a caller may hold what it was given as long as it likes: DDP
+    holds a decoded bucket into the next step (two slots serve it), a test may hold two compensated buckets.
+    A layout seen for the first time drops the buffers of the layouts it shares a parameter with (DDP's
+    rebuild), as ``BucketState`` moves their state.
+    """
+
+    def __init__(self, slots: int = 1):
+        self.slots = slots
+        self._kept: dict[str, tuple[frozenset, list[torch.Tensor]]] = {}
+
+    def take(self, bucket: BucketInfo, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-d tensor of ``numel`` entries, contents undefined, that no one else holds."""
+        entry = self._kept.get(bucket.key)
+        if entry is None:
+            names = frozenset(bucket.names)
+            for key in [k for k, (other, _) in self._kept.items() if names & other]:
+                del self._kept[key]
+            entry = self._kept[bucket.key] = (names, [])
+        kept = entry[1]
+        for base in kept:
+            if base.numel() == numel and base.dtype == dtype and base.device == device and _unshared(base):
+                return base.view(numel)  # a tensor of its own, sharing the storage: what ``_unshared`` counts
+        base = torch.empty(numel, dtype=dtype, device=device)
+        stale = [b for b in kept if b.numel() != numel or b.dtype != dtype or b.device != device]
+        for b in stale:
+            kept.remove(b)
+        if len(kept) < self.slots:
+            kept.append(base)
+        return base.view(numel)

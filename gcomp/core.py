@@ -12,9 +12,10 @@ The hook divides the bucket by the world size before (as PyTorch's own hooks do)
 that follows is already the mean.
 
 Who calls what, and nothing else: ``Method.reduce`` calls the parts in that order; ``Memory.update`` calls
-``Compressor.decompress``; a ``Communicator`` calls the collectives and the compressor methods declared here or
-on the codec base class it takes by type (``ChainedCompressor.second_round`` in ``gcomp.collectives.chained``,
-``ScheduledCompressor.program`` in ``gcomp.collectives.scheduled``). Statistics reach a communicator as an
+``Compressor.residual_into`` and, where that declines, ``Compressor.decompress``; a ``Communicator`` calls the
+collectives and the compressor methods declared here or on the codec base class it takes by type
+(``ChainedCompressor.second_round`` in ``gcomp.collectives.chained``, ``ScheduledCompressor.program`` in
+``gcomp.collectives.scheduled``). Statistics reach a communicator as an
 argument; a compressor gets the same dict once, in ``bind``, for its own ``stat_keys``.
 """
 from __future__ import annotations
@@ -211,6 +212,13 @@ class Compressor(_Checkpointed, ABC):
     def decompress(self, tensors: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
         """Decode one payload, or for ``allreduce`` codecs the element-wise reduction of all ranks' payloads."""
 
+    def residual_into(self, out: torch.Tensor, tensor: torch.Tensor, payload: Payload) -> bool:
+        """Optional fast path of ``Memory.update``: write ``tensor - decompress(payload)`` into ``out`` (``tensor``'s
+        shape, dtype and device; never ``tensor`` itself) with non-finite entries set to zero, and return True.
+        Codecs that know which few entries they sent do it without decoding a whole bucket. The default writes
+        nothing and returns False: the memory then decompresses the payload and subtracts it."""
+        return False
+
     def aggregate(self, gathered: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
         """Sum over ranks of the decoded payloads (``allgather`` codecs).
 
@@ -240,7 +248,8 @@ class Memory(_Checkpointed, ABC):
 
     @abstractmethod
     def update(self, tensor: torch.Tensor, bucket: BucketInfo, compressor: Compressor, payload: Payload) -> None:
-        """Store what ``payload`` does not carry of ``tensor`` (``compressor.decompress`` of it tells)."""
+        """Store what ``payload`` does not carry of ``tensor`` (``compressor.residual_into``, or else
+        ``compressor.decompress`` of it, tells)."""
 
 
 class Communicator(ABC):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from gcomp.bucket import BucketInfo
-from gcomp.bucket_state import BucketState, KeptInBucketState
+from gcomp.bucket_state import BucketState, KeptInBucketState, Scratch
 from gcomp.core import Compressor, Memory, Payload, sum_by_name
 
 
@@ -28,22 +28,35 @@ class ResidualMemory(KeptInBucketState, Memory):
 
     Non-finite residual entries are dropped (set to zero): one overflowing step, which AMP skips anyway, must
     not poison every later step.
+
+    Memory per layout: the residual, and one buffer the compensated bucket is written into at every step
+    (``gcomp.bucket_state.Scratch``; a fresh one only while the last is still held). The update writes the new
+    residual over the old one: through ``Compressor.residual_into`` where the codec offers it (the sparse
+    codecs: a copy of the compensated bucket, then their few sent entries subtracted), else as the compensated
+    bucket less ``Compressor.decompress`` of the payload.
     """
 
     stateful = True
 
     def __init__(self):
         self._state = BucketState(("residuals",), owner="ResidualMemory")
+        self._sums = Scratch()  # the compensated bucket, written into the same buffer every step
 
     def compensate(self, tensor: torch.Tensor, bucket: BucketInfo) -> torch.Tensor:
         held = self._state.find(bucket, tensor)
-        return tensor if held is None else tensor + held["residuals"]
+        if held is None:
+            return tensor
+        out = self._sums.take(bucket, tensor.numel(), tensor.dtype, tensor.device).view_as(tensor)
+        return torch.add(tensor, held["residuals"], out=out)
 
     def update(self, tensor: torch.Tensor, bucket: BucketInfo, compressor: Compressor, payload: Payload) -> None:
-        sent = compressor.decompress(payload.tensors, payload.ctx)
         held = self._state.find(bucket, tensor)
         # The old residual is already inside ``tensor`` (compensate), so its storage takes the new one.
         residual = torch.empty_like(tensor) if held is None else held["residuals"]
+        if compressor.residual_into(residual, tensor, payload):  # a codec that knows what it sent: no decode
+            self._state.put(bucket, {"residuals": residual})
+            return
+        sent = compressor.decompress(payload.tensors, payload.ctx)
         self.store(torch.sub(tensor, sent, out=residual), bucket)
 
     def store(self, residual: torch.Tensor, bucket: BucketInfo) -> None:

@@ -101,3 +101,48 @@ def test_residuals_survive_a_real_ddp_rebuild_like_sequence():
             after = memory.state_dict()["residuals"]
             for name, offset, numel in info.segments():
                 assert torch.equal(sent[offset:offset + numel] + after[name], v[offset:offset + numel])
+
+
+# --- the compensated buffer and the codec's fast update -----------------------------------------------------
+
+
+def test_compensate_writes_into_one_buffer_per_layout_unless_it_is_still_held():
+    memory, layout_a = _warm_memory()
+    grad = torch.randn(42)
+    first = memory.compensate(grad, layout_a)
+    ptr, expected = first.data_ptr(), first.clone()
+    second = memory.compensate(grad, layout_a)  # ``first`` is still held: a buffer of its own
+    assert second.data_ptr() != ptr and torch.equal(first, expected) and torch.equal(second, expected)
+    del first, second
+    again = memory.compensate(grad, layout_a)
+    assert torch.equal(again, expected)
+    kept = {again.data_ptr()}
+    del again
+    assert memory.compensate(grad, layout_a).data_ptr() in kept  # the same buffer, step after step
+
+
+class _Decoding(TopKCompressor):
+    """Top-k without the fast update: the memory decodes the payload."""
+
+    def residual_into(self, out, tensor, payload):
+        return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_residual_into_leaves_exactly_what_decoding_leaves(dtype):
+    """The sparse codecs' ``residual_into`` (copy, then the sent entries subtracted) against the general path
+    (decompress, subtract), non-finite entries included: the same residuals bit for bit."""
+    fast, slow = ResidualMemory(), ResidualMemory()
+    comp, decoding = TopKCompressor(0.1), _Decoding(0.1)
+    info = BucketInfo.from_layout(0, dtype, ["a", "b"], [300, 57])
+    g = torch.Generator().manual_seed(12)
+    for step in range(5):
+        grad = torch.randn(info.numel, generator=g, dtype=torch.float64).to(dtype)
+        if step == 3:  # more non-finite entries than k: some are sent, the rest must be dropped
+            grad[torch.randperm(info.numel, generator=g)[:60]] = float("nan")
+            grad[:5] = float("inf")
+        for memory, c in ((fast, comp), (slow, decoding)):
+            v = memory.compensate(grad, info)
+            memory.update(v, info, c, c.compress(v, info))
+        a, b = (m.compensate(torch.zeros_like(grad), info) for m in (fast, slow))
+        assert torch.equal(a, b) and a.isfinite().all(), f"step {step}"

@@ -40,6 +40,7 @@ class DGCCompressor(SparseCompressor):
     """
 
     stateful = True
+    distinct_positions = False  # empty slots repeat position 0
 
     def __init__(self, ratio: float, momentum: float, nesterov: bool, masking: bool, clip_norm: float,
                  warmup_steps: int, warmup_stages: int, sample_ratio: float, seed: int):
@@ -91,7 +92,7 @@ class DGCCompressor(SparseCompressor):
         for t in (u, v):  # a non-finite entry left behind would poison every later step
             torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
         index = torch.where(index < n, index, 0)  # an empty slot adds a zero at position 0
-        return self.sparse_payload(values, index, tensor)
+        return self.sparse_payload(values, index, tensor, bucket)
 
     def _clip(self, tensor: torch.Tensor, bucket: BucketInfo) -> torch.Tensor:
         """Each parameter's local gradient (``world * tensor``) clipped to norm ``clip_norm / sqrt(world)``."""

@@ -5,6 +5,7 @@ from typing import Annotated
 
 import torch
 
+from gcomp.bucket_state import Scratch
 from gcomp.collectives import AllreduceCommunicator
 from gcomp.compressors.quantise import stream_seed
 from gcomp.core import ALLREDUCE, Compressor, Method, Payload, check_state
@@ -21,6 +22,10 @@ class RandomKCompressor(Compressor):
     so all ranks pick the same k entries each step and the payloads add up element-wise. The flag is 0, or
     NaN when the rank's bucket holds a NaN or an infinity; it is added to every sent entry on decode, so a
     non-finite gradient on any rank surfaces on every rank even when its entry was not drawn.
+
+    Per step beyond the draw: one pass for the flag (min and max), and with error feedback one copy of the
+    compensated bucket into the residual (``residual_into``: the drawn entries subtracted, nothing decoded);
+    decoding clears and fills one of two buffers kept per bucket layout instead of a fresh zeroed bucket.
     """
 
     collective = ALLREDUCE
@@ -28,6 +33,7 @@ class RandomKCompressor(Compressor):
     def __init__(self, ratio: float, seed: int = 0):
         self.ratio = ratio
         self.generator = torch.Generator().manual_seed(stream_seed(seed, "randomk"))  # the same on every rank
+        self._decoded = Scratch(slots=2)  # decoded buckets: DDP holds the last one while the next is decoded
 
     def compress(self, tensor, bucket):
         n = tensor.numel()
@@ -35,16 +41,33 @@ class RandomKCompressor(Compressor):
         index = uniform_subset(n, k, self.generator).to(tensor.device, non_blocking=True)
         wire = tensor.new_empty(k + 1)
         torch.index_select(tensor, 0, index, out=wire[:k])
-        finite = torch.isfinite(tensor).all()
-        wire[k] = torch.where(finite, 0.0, float("nan"))
-        return Payload([wire], ctx=(n, index))
+        # min and max in one pass are finite exactly when every entry is (NaN propagates to both); far
+        # cheaper than isfinite(tensor).all(), which builds a bucket-sized mask
+        extremes = torch.stack(torch.aminmax(tensor))
+        wire[k] = torch.where(torch.isfinite(extremes).all(), 0.0, float("nan"))
+        return Payload([wire], ctx=(n, index, bucket))
 
     def decompress(self, tensors, ctx):
         wire, = tensors
-        n, index = ctx
+        n, index, bucket = ctx
+        out = self._decoded.take(bucket, n, wire.dtype, wire.device) if bucket is not None else wire.new_empty(n)
+        return out.zero_().index_copy_(0, index, self._sent(wire, index))
+
+    @staticmethod
+    def _sent(wire: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The values at ``index``: each plus the flag, 0, or NaN if any rank's bucket was not finite."""
         k = index.numel()
-        values = wire[:k] + wire[k]  # the flag: 0, or NaN if any rank's bucket was not finite
-        return wire.new_zeros(n).index_copy_(0, index, values)
+        return wire[:k] + wire[k]
+
+    def residual_into(self, out, tensor, payload):
+        """The compensated bucket less the (distinct) drawn entries, without decoding a bucket."""
+        wire, = payload.tensors
+        index = payload.ctx[1]
+        flat = tensor.reshape(-1)
+        torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0, out=out.view(-1))
+        left = torch.nan_to_num_(flat[index] - self._sent(wire, index), nan=0.0, posinf=0.0, neginf=0.0)
+        out.view(-1).index_copy_(0, index, left)
+        return True
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

@@ -6,8 +6,9 @@ from typing import Annotated
 import torch
 import torch.distributed as dist
 
+from gcomp.bucket import index_dtype
 from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator
-from gcomp.compressors.sparse import SparseCompressor
+from gcomp.compressors.sparse import SparseCompressor, magnitude_keys, positions_at_least
 from gcomp.core import Method
 from gcomp.memory import ResidualMemory
 from gcomp.params import Range
@@ -34,13 +35,14 @@ class ThresholdCompressor(SparseCompressor):
     zero-padded to the largest count, by all-gather. Entries several ranks chose are summed.
 
     The threshold is on the local gradient: the hook hands over ``g / world``, so that is compared with
-    ``threshold / world``. NaN and infinities always pass.
+    ``threshold / world``. NaN and infinities always pass. The entries are found in one chunked pass over the
+    bucket (``positions_at_least``) with no bucket-sized mask or magnitude tensor.
     """
 
     def __init__(self, threshold: float):
         self.threshold = threshold
         self.world_size = 1
-        self._floors: dict[torch.dtype, float] = {}
+        self._floors: dict[torch.dtype, torch.Tensor] = {}
 
     def bind(self, model, group, stats) -> None:
         self._floors.clear()
@@ -48,13 +50,14 @@ class ThresholdCompressor(SparseCompressor):
             self.world_size = dist.get_world_size(group)
 
     def compress(self, tensor, bucket):
-        # not (|x| <= t) rather than |x| > t: NaN fails every comparison, and must be sent
         floor = self._floors.get(tensor.dtype)
-        if floor is None:
-            floor = self._floors[tensor.dtype] = _floor_to(self.threshold / self.world_size, tensor.dtype)
-        keep = ~(tensor.abs() <= floor)
-        index = keep.nonzero().squeeze(1)  # the count decides the payload's size: a host sync is inherent
-        return self.sparse_payload(tensor[index], index, tensor)
+        if floor is None:  # as a magnitude key, above which NaN and infinities lie too: they are always sent
+            floor = self._floors[tensor.dtype] = magnitude_keys(torch.tensor(
+                _floor_to(self.threshold / self.world_size, tensor.dtype), dtype=tensor.dtype))
+        flat = tensor.reshape(-1)
+        # the count decides the payload's size: a host sync is inherent
+        index = positions_at_least(flat, floor.to(tensor.device), index_dtype(flat.numel()), strict=True)
+        return self.sparse_payload(flat[index], index, tensor, bucket)
 
 
 @register("threshold", paper="Strom 2015 (Scalable distributed DNN training using commodity GPU cloud computing)")

@@ -209,3 +209,46 @@ def test_uniform_subset_is_uniform_over_ordered_draws():
     expected = 13_200 / 132  # 100 per ordered pair
     chi2 = float(((off - expected) ** 2 / expected).sum())
     assert chi2 < 200, chi2  # 131 degrees of freedom: mean 131, above 200 with probability under 1e-4
+
+
+# --- the fast paths: the flag in one pass, the update without a decode, the decode buffers -----------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_the_flag_is_nan_exactly_when_an_entry_is_not_finite(dtype, bad):
+    x = torch.full((500,), torch.finfo(dtype).max, dtype=dtype)  # the largest finite values: no false alarm
+    x[::2] = -x[::2]
+    if bad is not None:
+        x[321] = bad
+    wire, = RandomKCompressor(0.01, 0).compress(x, BucketInfo.single(x)).tensors
+    assert wire[-1].isnan() == (bad is not None) and (bad is not None or wire[-1] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_into_equals_the_compensated_bucket_less_the_decoded_payload(dtype):
+    comp = RandomKCompressor(0.1, 0)
+    info = BucketInfo.from_layout(0, dtype, ["a"], [400])
+    g = torch.Generator().manual_seed(6)
+    for bad in (None, float("inf")):
+        v = torch.randn(info.numel, generator=g, dtype=torch.float64).to(dtype)
+        if bad is not None:
+            v[7] = bad
+        payload = comp.compress(v, info)
+        out = torch.empty_like(v)
+        assert comp.residual_into(out, v, payload)
+        expected = torch.nan_to_num(v - comp.decompress(payload.tensors, payload.ctx), nan=0.0, posinf=0.0,
+                                    neginf=0.0)
+        assert torch.equal(out, expected)
+
+
+def test_decoded_buckets_reuse_two_buffers_per_layout():
+    comp = RandomKCompressor(0.1, 0)
+    info = BucketInfo.from_layout(0, torch.float32, ["a"], [400])
+    x = torch.randn(info.numel)
+    payload = comp.compress(x, info)
+    first = comp.decompress(payload.tensors, payload.ctx)
+    kept, expected = first.data_ptr(), first.clone()
+    second = comp.decompress(payload.tensors, payload.ctx)  # the first is held: the other buffer
+    assert second.data_ptr() != kept and torch.equal(first, expected) and torch.equal(second, expected)
+    del first, second
+    assert comp.decompress(payload.tensors, payload.ctx).data_ptr() == kept

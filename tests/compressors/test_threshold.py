@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 import gcomp
 from gcomp import BucketInfo
 from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator
-from gcomp.compressors.threshold import ThresholdCompressor
+from gcomp.compressors import sparse
+from gcomp.compressors.threshold import ThresholdCompressor, _floor_to
 from tests.compressors.test_randomk import check_convergence
 from tests.distributed import run_ranks
 
@@ -116,3 +117,27 @@ def test_threshold_lowers_the_loss_on_4_ranks():
     runs = check_convergence([("threshold", {"threshold": 0.05}, 0.3), ("threshold", {"threshold": 0.1}, 0.15)])
     for run in runs[1:]:
         assert run["stats"]["padding_bytes"] > 0  # the counts differed between ranks
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       threshold=st.floats(0.0, 3.0), seed=st.integers(0, 2**31 - 1), chunk=st.sampled_from([7, 64, 1 << 18]))
+def test_selection_in_chunks_is_every_entry_above_the_threshold_and_every_non_finite(n, dtype, threshold, seed,
+                                                                                    chunk):
+    """The chunked pass over magnitude keys picks what ``~(|x| <= floor)`` picks, in ascending order."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0], dtype=dtype)
+    where = torch.randperm(n, generator=g)[: n // 10]
+    x[where] = specials[torch.randint(0, 5, (where.numel(),), generator=g)]
+    comp, saved = ThresholdCompressor(threshold), sparse.CHUNK
+    sparse.CHUNK = chunk
+    try:
+        values, index = comp.compress(x, BucketInfo.single(x)).tensors
+    finally:
+        sparse.CHUNK = saved
+    floor = _floor_to(threshold, dtype)
+    expected = (~(x.abs() <= floor)).nonzero().squeeze(1)
+    assert index.dtype == torch.int32 and torch.equal(index.long(), expected)
+    assert torch.equal(values.isnan(), x[expected].isnan())
+    assert torch.equal(torch.nan_to_num(values), torch.nan_to_num(x[expected]))

@@ -11,7 +11,8 @@ from torch import nn
 
 import gcomp
 from gcomp import BucketInfo, ResidualMemory
-from gcomp.compressors.topk import TopKCompressor
+from gcomp.compressors.sparse import magnitude_keys
+from gcomp.compressors.topk import FALLBACK, FULL, SAMPLED, TopKCompressor, largest_magnitudes
 from tests.distributed import run_ranks
 from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, mlp
 
@@ -244,3 +245,133 @@ def test_topk_ratio_one_equals_the_dense_mean(world, bucket_cap_mb):
     for compared, _, _ in results[1:]:  # every rank ends with the same gradients
         for (got, _), (got0, _) in zip(compared, first):
             assert all(torch.equal(a, b) for a, b in zip(got, got0))
+
+
+# --- the sampled selection: exact, whichever path it takes -------------------------------------------------
+
+
+def _same_as_torch_topk(x: torch.Tensor, k: int, index: torch.Tensor) -> None:
+    """``index`` is torch.topk's set up to ties: k distinct positions whose magnitudes (NaN above inf) are, as
+    a multiset, those of torch.topk's choice."""
+    keys = magnitude_keys(x)
+    assert index.dtype == torch.int64 and index.shape == (k,) and index.unique().numel() == k
+    expected = torch.topk(keys, k, sorted=False).values.sort().values
+    assert torch.equal(keys[index].sort().values, expected)
+
+
+ADVERSARIAL = ["normal", "ties", "wide", "zeros", "periodic", "ramp", "nonfinite"]
+
+
+def _adversarial(n: int, dtype: torch.dtype, seed: int, kind: str, stride: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind in ("normal", "ties", "wide"):
+        return _values(n, dtype, seed, kind)
+    if kind == "zeros":  # mostly zero: the sampled bound is 0
+        x = torch.zeros(n, dtype=torch.float64)
+        x[torch.randperm(n, generator=g)[: max(1, n // 50)]] = torch.randn(max(1, n // 50), generator=g,
+                                                                           dtype=torch.float64)
+    elif kind == "periodic":  # large entries exactly where a strided sample looks
+        x = torch.randn(n, generator=g, dtype=torch.float64) * 1e-3
+        x[stride // 2::stride] = 100 + torch.rand(x[stride // 2::stride].shape, generator=g, dtype=torch.float64)
+    elif kind == "ramp":  # sorted magnitudes: the top k all at the end
+        x = torch.linspace(-1, 1, n, dtype=torch.float64).abs().sort().values
+    else:
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+        where = torch.randperm(n, generator=g)[: max(1, n // 300)]
+        x[where] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=torch.float64)[
+            torch.randint(0, 3, (where.numel(),), generator=g)]
+    return x.to(dtype)
+
+
+@PROPERTY
+@given(n=st.integers(64, 6000), dtype=st.sampled_from(DTYPES), ratio=st.floats(1e-3, 0.2),
+       seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(ADVERSARIAL))
+def test_sampled_selection_is_exactly_torch_topk(n, dtype, ratio, seed, kind):
+    k = _k(n, ratio)
+    stride = max(1, n // min(n // 4, -(-256 * n // k)))  # the sample's stride, for the periodic input
+    x = _adversarial(n, dtype, seed, kind, stride)
+    index, path = largest_magnitudes(x, k, min_sampled=64)
+    assert path in ((SAMPLED, FALLBACK) if 8 * k <= n else (FULL,))
+    _same_as_torch_topk(x, k, index)
+
+
+def test_sampled_path_is_taken_on_a_large_bucket_and_exact():
+    x = torch.randn(1 << 17, generator=torch.Generator().manual_seed(1))
+    comp = TopKCompressor(0.01)
+    payload = comp.compress(x, BucketInfo.single(x))
+    assert comp.paths == {FULL: 0, SAMPLED: 1, FALLBACK: 0}
+    _same_as_torch_topk(x, _k(x.numel(), 0.01), payload.tensors[1].long())
+
+
+def test_fallback_is_taken_when_the_sample_misleads_and_stays_exact():
+    """Distinct large entries exactly at the sampled positions put the bound above the k-th largest magnitude:
+    fewer than k candidates pass, and the whole bucket is ranked instead."""
+    n, k = 1 << 12, 200
+    stride = max(1, n // min(n // 4, -(-256 * n // k)))
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2)) * 1e-3
+    x[stride // 2::stride] = 1 + torch.arange(x[stride // 2::stride].numel(), dtype=torch.float32)
+    index, path = largest_magnitudes(x, k, min_sampled=64)
+    assert path == FALLBACK
+    _same_as_torch_topk(x, k, index)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_and_inf_are_selected_on_the_sampled_path(dtype):
+    n = 1 << 13
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    x[torch.randperm(n, generator=g)[: n // 8]] = torch.finfo(dtype).max / 2  # huge finite rivals
+    where = torch.randperm(n, generator=g)[:30]
+    x[where[:10]], x[where[10:20]], x[where[20:]] = float("nan"), float("inf"), float("-inf")
+    comp = TopKCompressor(0.01)
+    comp.min_sampled = 64
+    payload = comp.compress(x, BucketInfo.single(x))
+    assert comp.paths[SAMPLED] == 1
+    assert set(where.tolist()) <= set(payload.tensors[1].long().tolist())
+
+
+def test_error_feedback_conservation_is_exact_on_the_sampled_path():
+    method = gcomp.create("topk", ratio=0.01)
+    comp, memory = method.compressor, method.memory
+    info = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [1 << 16, 1000])
+    g = torch.Generator().manual_seed(8)
+    for step in range(4):
+        grad = torch.randn(info.numel, generator=g)
+        if step == 2:
+            grad[[5, 77]] = torch.tensor([float("nan"), float("inf")])
+        old = memory.compensate(torch.zeros(info.numel), info).clone()
+        v = memory.compensate(grad, info)
+        payload = comp.compress(v, info)
+        memory.update(v, info, comp, payload)
+        new = memory.compensate(torch.zeros(info.numel), info)
+        sent = comp.decompress(payload.tensors, payload.ctx)
+        expected = torch.nan_to_num(v - sent, nan=0.0, posinf=0.0, neginf=0.0)  # what update promises
+        assert torch.equal(new, expected) and new.isfinite().all()
+        if step != 2:
+            assert torch.equal(sent + new, grad + old)
+    assert comp.paths[SAMPLED] == 4
+
+
+def test_buffers_are_reused_across_steps_and_never_while_held():
+    method = gcomp.create("topk", ratio=0.05)
+    comp, memory = method.compressor, method.memory
+    info = BucketInfo.from_layout(0, torch.float32, ["a"], [4000])
+    g = torch.Generator().manual_seed(9)
+
+    def step():
+        v = memory.compensate(torch.randn(info.numel, generator=g), info)
+        payload = comp.compress(v, info)
+        memory.update(v, info, comp, payload)
+        return v.data_ptr(), comp.aggregate([t[None] for t in payload.tensors], payload.ctx)
+
+    step()  # the first step has no residual yet: the gradient itself is compressed
+    v1, out1 = step()
+    ptr1 = out1.data_ptr()
+    v2, out2 = step()  # out1 still held (as DDP holds the last result): the second slot
+    assert v2 == v1 and out2.data_ptr() != ptr1
+    del out1, out2
+    v3, out3 = step()
+    assert v3 == v1 and out3.data_ptr() == ptr1
+    held = memory.compensate(torch.zeros(info.numel), info)
+    other = memory.compensate(torch.zeros(info.numel), info)
+    assert held.data_ptr() == v1 and other.data_ptr() != held.data_ptr()  # a held buffer is never handed out
