@@ -1,14 +1,15 @@
 """``qsgd``: stochastic rounding onto ``s`` levels of each parameter's L2 norm (Alistarh et al., NeurIPS 2017)."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Annotated
 
 import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.compressors.quantise import (RankGenerator, SeededState, per_segment_, rank_and_world, segment_lengths,
-                                        wire_scale, work_dtype)
+from gcomp.compressors.quantise import (RankGenerator, Scratch, SeededState, add_scaled_, draw_units,
+                                        per_segment_, rank_and_world, segment_lengths, wire_scale, work_dtype)
 from gcomp.core import ALLGATHER, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import Range
@@ -23,19 +24,34 @@ def field_bits(levels: int) -> int:
     return (2 * levels).bit_length()
 
 
+# 8-bit fields (s in 64..127, the default 127) are the bytes of the int64 words on a little-endian machine:
+# the levels are converted straight into the payload, with no packing pass.
+_BYTE_WORDS = sys.byteorder == "little"
+
+
 @dataclass
 class _Ctx:
     n: int
     dtype: torch.dtype
     lengths: tuple[int, ...]
+    key: str  # the bucket layout: its scratch buffers
+    tensor: torch.Tensor  # what was compressed: ``aggregate`` (the hook's decode) writes the result into it
 
 
 class QSGDCompressor(SeededState, Compressor):
     """QSGD by all-gather: per parameter its fp32 L2 norm ``r``, per entry a level ``l`` in {0..s} with
     ``E[l] = s |g| / r`` (rounded down or up at random), sent with the sign as ``sign(g) l + s`` in
     ``field_bits(s)``-bit fields (``bitpack``: 8 bits per entry for the default s = 127, byte-aligned) plus 32
-    bits per parameter. Decoded as ``r sign(g) l / s``: unbiased. A non-finite entry makes its norm
-    non-finite, and so every entry of its parameter on every rank.
+    bits per parameter. Decoded as ``r sign(g) l / s``: unbiased. ``aggregate`` decodes every rank's fields
+    into the tensor that was compressed (the hook's bucket, as an all-reduce would) and returns it;
+    ``decompress`` returns a new tensor. A non-finite entry makes its norm non-finite, and so every entry of
+    its parameter on every rank.
+
+    The signed level is drawn in one add: ``sign(g) l = floor(s g / r + w) - 1`` with ``w`` uniform on [1, 2)
+    (``quantise.add_scaled_``), which rounds ``s |g| / r`` up with probability equal to its fractional part
+    for either sign. Memory: per bucket layout, one draws buffer of the bucket's fp32 size (also the decode's
+    work space) and for 16-bit buckets the fp32 entries; nothing of the bucket's size is allocated per step
+    but ``decompress``'s result.
     """
 
     collective = ALLGATHER
@@ -43,6 +59,7 @@ class QSGDCompressor(SeededState, Compressor):
     def __init__(self, levels: int = 127, seed: int = 0):
         self.levels, self.bits = levels, field_bits(levels)
         self.random = RankGenerator(seed, "qsgd")
+        self.scratch = Scratch()
 
     def bind(self, model, group, stats) -> None:
         self.random.bind(rank_and_world(group)[0])
@@ -56,32 +73,64 @@ class QSGDCompressor(SeededState, Compressor):
                 start += n
         return norms
 
+    def work_space(self, key: str, n: int, work: torch.dtype, device) -> torch.Tensor:
+        """The draws buffer (int64 words): ``n`` draws of ``work``'s width, and at least as many ``work``
+        entries as the fields of ``n`` levels padded to whole words (the decode unpacks into it)."""
+        per_word = 2 if work == torch.float32 else 1
+        fields = max(n, bitpack.packed_words(n, self.bits) * bitpack.fields_per_word(self.bits))
+        return self.scratch.get(key, "draws", -(-fields // per_word), torch.int64, device)
+
     def compress(self, tensor, bucket):
-        values = tensor.to(work_dtype(tensor.dtype))
-        n, lengths = values.numel(), segment_lengths(bucket, values.numel())
+        work = work_dtype(tensor.dtype)
+        values = tensor.reshape(-1) if tensor.dtype == work else \
+            self.scratch.get(bucket.key, "values", tensor.numel(), work, tensor.device).copy_(tensor.reshape(-1))
+        n, lengths, s = values.numel(), segment_lengths(bucket, values.numel()), self.levels
         norms = wire_scale(self.local_norms(values, lengths))
-        s = self.levels
-        # |g| / r * s in [0, s]; 0 / 0 (a zero parameter) and a non-finite norm give NaN, sent as level 0
-        scaled = per_segment_(values.abs(), norms.to(values.dtype), lengths, torch.Tensor.div_).mul_(s)
-        level = scaled.floor()
-        draws = torch.rand(n, generator=self.random(values.device), dtype=values.dtype, device=values.device)
-        level += draws < scaled.sub_(level)  # up with probability equal to the fractional part
-        level = level.nan_to_num_(nan=0.0).clamp_(0, s)
-        fields = torch.where(values < 0, -level, level).add_(s).to(torch.int32)
-        return Payload([norms, bitpack.pack(fields, self.bits)], _Ctx(n, tensor.dtype, lengths))
+        # a zero parameter (0 / 0) scales by 0 instead: level 0; so does a non-finite norm (its decode is NaN)
+        factors = torch.where(norms > 0, s / norms, 0.0).to(work)
+        draws = draw_units(self.work_space(bucket.key, n, work, values.device), n, work, self.random(values.device))
+        levels = add_scaled_(draws, values, factors, lengths).floor_()  # sign(g) l + 1
+        levels.clamp_(1 - s, 1 + s).add_(s - 1)  # the field l + s in [0, 2s] (NaN for a non-finite entry)
+        words = bitpack.packed_words(n, self.bits)
+        if self.bits == 8 and _BYTE_WORDS:
+            fields = torch.empty(words * 8, dtype=torch.uint8, device=values.device)
+            fields[n:].zero_()
+        else:
+            fields = torch.empty(n, dtype=torch.uint8 if 2 * s < 256 else torch.int32, device=values.device)
+        fields[:n].copy_(levels)
+        fields.clamp_(0, 2 * s)  # NaN converts to an undefined integer: keep the neighbours' fields intact
+        packed = fields.view(torch.int64) if fields.numel() == words * 8 and fields.dtype == torch.uint8 \
+            else bitpack.pack(fields, self.bits)
+        return Payload([norms, packed], _Ctx(n, tensor.dtype, lengths, bucket.key, tensor))
 
     def decompress(self, tensors, ctx: _Ctx):
-        return self.aggregate([t.unsqueeze(0) for t in tensors], ctx)
+        out = torch.empty(ctx.n, dtype=ctx.dtype, device=tensors[0].device)
+        return self.decode([t.unsqueeze(0) for t in tensors], ctx, out)
 
     def aggregate(self, gathered, ctx: _Ctx):
-        norms, words = gathered  # (world, segments) fp32, (world, words) int64
-        world, work = words.shape[0], work_dtype(ctx.dtype)
-        per_word = bitpack.fields_per_word(self.bits)
-        fields = bitpack.unpack(words.reshape(-1), words.numel() * per_word, self.bits, dtype=work)
-        levels = fields.view(world, -1)[:, :ctx.n].sub_(self.levels)
-        unit = norms.to(work) / self.levels  # not in place: .to may return the payload tensor itself
-        return per_segment_(levels, unit, ctx.lengths, torch.Tensor.mul_).sum(0).to(ctx.dtype)
+        return self.decode(gathered, ctx, ctx.tensor.reshape(-1)).view_as(ctx.tensor)
 
+    def decode(self, gathered, ctx: _Ctx, out: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of ``(field - s) * r / s`` written into ``out``, rank by rank: each rank's fields
+        (the payload's own bytes for 8-bit fields, else unpacked into the draws buffer) turn into values in
+        one pass per segment."""
+        norms, words = gathered  # (world, segments) fp32, (world, words) int64
+        work, n, s = work_dtype(ctx.dtype), ctx.n, self.levels
+        total = out if out.dtype == work else self.scratch.get(ctx.key, "sum", n, work, out.device)
+        space = self.work_space(ctx.key, n, work, words.device).view(work)
+        for rank in range(words.shape[0]):  # a loop over ranks, not entries
+            if self.bits == 8 and _BYTE_WORDS:
+                fields = words[rank].view(torch.uint8)[:n]
+            else:
+                fields = bitpack.unpack(words[rank], n, self.bits, dtype=work, out=space)
+            target = total if rank == 0 else space[:n]
+            if fields.data_ptr() != target.data_ptr():
+                target.copy_(fields)  # a plain conversion: arithmetic across dtypes is several times slower
+            target.sub_(s)  # the signed level, exact in the work dtype
+            per_segment_(target, norms[rank].to(work) / s, ctx.lengths, torch.Tensor.mul_)
+            if rank:
+                total += target
+        return out if total is out else out.copy_(total)
 
 
 @register("qsgd", paper="Alistarh, Grubic, Li, Tomioka, Vojnovic 2017 (QSGD, NeurIPS)")

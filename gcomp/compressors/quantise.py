@@ -116,13 +116,18 @@ def segment_scales(values: torch.Tensor, lengths: tuple[int, ...], clip: float =
                    magnitudes: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """max |value| per segment, capped at ``clip * std`` (std about the mean, TernGrad's) where that cap is
     positive: a constant segment (one entry, say) has std 0 and keeps its max, so it is neither zeroed nor,
-    with ``clip = inf``, turned into NaN. ``magnitudes`` may hold ``|values|`` already; ``out`` the result."""
-    magnitudes = values.abs() if magnitudes is None else magnitudes
+    with ``clip = inf``, turned into NaN. ``magnitudes`` may hold ``|values|`` already; ``out`` the result.
+    Without ``magnitudes`` the max is ``max(max, -min)``, read straight from ``values`` (no ``|values|``
+    temporary as large as the bucket); NaN stays NaN."""
     out = torch.zeros(len(lengths), dtype=values.dtype, device=values.device) if out is None else out
     start = 0
     for j, n in enumerate(lengths):  # a loop over parameters, not entries
         if n:
-            torch.amax(magnitudes[start:start + n], dim=0, out=out[j])
+            if magnitudes is None:  # one pass for both ends (vector_norm with ord=inf is some 10x slower)
+                low, high = torch.aminmax(values[start:start + n])
+                torch.maximum(high, low.neg(), out=out[j])
+            else:
+                torch.amax(magnitudes[start:start + n], dim=0, out=out[j])
             if clip > 0:
                 cap = clip * torch.std(values[start:start + n], correction=0)
                 out[j] = torch.where(cap > 0, torch.minimum(out[j], cap), out[j])
@@ -137,3 +142,54 @@ def wire_scale(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype == torch.float64:
         wire = torch.where(wire.double() < scale, torch.nextafter(wire, torch.full_like(wire, torch.inf)), wire)
     return wire
+
+
+class Scratch:
+    """Work buffers kept per bucket layout (``BucketInfo.key``) and name, allocated at a layout's first step
+    and reused at every later one: a fresh allocation as large as a bucket costs several copies of it in page
+    faults on a CPU, more than the arithmetic done in it. Scratch, not state: never checkpointed, and a
+    buffer's contents mean nothing from one step to the next."""
+
+    def __init__(self):
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    def get(self, key: str, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buffer = self._buffers.get((key, name))
+        if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._buffers[(key, name)] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer
+
+
+_UNIT = {torch.float32: (torch.int32, 23, 0x3F800000), torch.float64: (torch.int64, 52, 0x3FF0000000000000)}
+
+
+def draw_units(words: torch.Tensor, n: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """``n`` independent draws uniform on the grid ``1 + j / 2^m`` of [1, 2) (m = 23 for fp32, 52 for fp64),
+    written into ``words``, an int64 buffer of at least ``n * itemsize / 8`` words, and returned as a view.
+
+    Each word is one full 64-bit draw of ``generator`` (two fp32 draws per word): the cheapest way found to take
+    random bits from a CPU generator (about two thirds of the time of ``uniform_`` on as many floats). The
+    mantissa bits of a draw become the fraction, the exponent those of 1.0: no int-to-float conversion.
+    """
+    ints, bits, one = _UNIT[dtype]
+    words.random_(-2**63, None, generator=generator)  # the full 64-bit range: every bit uniform
+    view = words.view(ints)[:n]
+    return view.bitwise_and_((1 << bits) - 1).bitwise_or_(one).view(dtype)
+
+
+def add_scaled_(draws: torch.Tensor, values: torch.Tensor, factors: torch.Tensor, lengths: tuple[int, ...],
+                divide: bool = False) -> torch.Tensor:
+    """``draws += values * factor`` (``/ factor`` with ``divide``) per segment, in place: the stochastic
+    rounding ``floor(z + w)`` of the scaled values ``z`` against draws ``w`` uniform on [1, 2) (``draw_units``).
+
+    ``floor(z + w)`` is ``floor(z) + 1`` or ``floor(z) + 2``, the latter with probability equal to the
+    fractional part of ``z`` (for either sign of ``z``): one add instead of a floor, a subtraction and a
+    comparison with draws on [0, 1). Up to rounding: the draws sit on a 2^-23 grid (fp32), and ``z + w`` is
+    rounded to fp32, which adds at most half an fp32 ulp of the boundary ``floor(z) + 2`` to that probability
+    (none while ``|floor(z) + 2| <= 2``; 2^-18 for QSGD's top levels near 128), the precision ``z`` itself has.
+    """
+    op = torch.addcdiv if divide else torch.addcmul
+    for d, v, f in zip(torch.split(draws, lengths), torch.split(values, lengths), factors.unbind(-1)):
+        if d.numel():
+            op(d, v, f, out=d)
+    return draws

@@ -191,8 +191,8 @@ def test_shared_scale_unbiased_on_three_ranks():
     for c in comps:
         c.world_size = world
     total = torch.zeros(35, dtype=torch.float64)
-    for _ in range(trials):
-        payloads = [c.compress(x, info) for c, x in zip(comps, xs)]
+    for _ in range(trials):  # copies: the decode writes into the tensor that was compressed, as the hook's bucket
+        payloads = [c.compress(x.clone(), info) for c, x in zip(comps, xs)]
         shared = torch.stack([p.tensors[0] for p in payloads]).amax(0)
         for c, p in zip(comps, payloads):
             p.tensors[0].copy_(shared)
@@ -332,3 +332,21 @@ def test_shared_scale_in_ddp_with_several_buckets(static):
         # 4-bit lanes (4 ranks: a field sums to at most 8) plus the scales: an eighth of fp32's bytes and a little
         assert r["stats"]["bytes_dense"] == 16 * numel
         assert r["stats"]["bytes_sent"] < r["stats"]["bytes_dense"] / 4 + 400
+
+
+def test_work_buffers_are_kept_per_layout_and_the_hook_decode_writes_into_the_bucket():
+    """The draws and codes buffers of a layout are allocated once and reused at every later step; ``aggregate``
+    returns the compressed tensor itself (no result of the bucket's size per step), ``decompress`` a new one."""
+    comp = TernGradCompressor(clip=0.0)
+    x = gradient([300, 20], torch.float32, seed=1)
+    info = layout([300, 20], torch.float32)
+    first = comp.compress(x.clone(), info)
+    kept = {name: b.data_ptr() for name, b in comp.scratch._buffers.items()}
+    assert {name for _, name in kept} == {"draws", "codes"}
+    bucket = x.clone()
+    second = comp.compress(bucket, info)
+    assert {name: b.data_ptr() for name, b in comp.scratch._buffers.items()} == kept
+    alone = comp.decompress(second.tensors, second.ctx)
+    assert alone.data_ptr() != bucket.data_ptr() and not torch.equal(first.tensors[1], second.tensors[1])
+    total = comp.aggregate([t.unsqueeze(0) for t in second.tensors], second.ctx)
+    assert total.data_ptr() == bucket.data_ptr() and torch.equal(total, alone)
