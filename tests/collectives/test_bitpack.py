@@ -5,7 +5,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gcomp.collectives.bitpack import fields_per_word, lane_bits, pack, packed_words, unpack
+from gcomp.collectives.bitpack import (bit_table, fields_per_word, lane_bits, pack, pack_flags_, packed_words, unpack,
+                                        unpack_table)
 from tests.distributed import run_ranks
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -69,3 +70,43 @@ def test_gloo_int64_sum_of_lanes_decodes_exactly(world):
     n = 16 * fields_per_word(lane_bits(world))  # whole words, so the last field is the top one
     for decoded, expected in run_ranks(world, _allreduce_lanes, n):
         assert torch.equal(decoded, expected)
+
+
+# --- the one-bit fast paths ----------------------------------------------------------------------------------
+
+@SETTINGS
+@given(n=st.integers(0, 700), seed=st.integers(0, 2**31 - 1), as_bool=st.booleans())
+def test_pack_flags_lays_bits_out_as_pack_does(n, seed, as_bool):
+    flags = torch.rand(n, generator=torch.Generator().manual_seed(seed)) < 0.5
+    flags = flags if as_bool else flags.to(torch.uint8)
+    expected = pack(flags.to(torch.int64), 1)
+    assert torch.equal(pack_flags_(flags.clone()), expected)
+    out = torch.full((packed_words(n, 1),), -1, dtype=torch.int64)  # padding bits are written, not left
+    assert pack_flags_(flags.clone(), out=out) is out and torch.equal(out, expected)
+
+
+@SETTINGS
+@given(n=st.integers(0, 700), seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from(
+    [torch.float32, torch.float16, torch.float64, torch.int32, torch.uint8]))
+def test_unpack_table_reads_each_bit_through_the_table(n, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.rand(n, generator=g) < 0.5
+    words = pack(bits, 1)
+    zero, one = (torch.randint(0, 100, (1, 8), generator=g).to(dtype) for _ in range(2))  # per position
+    out = unpack_table(words, n, bit_table(zero, one))
+    positions = torch.arange(n) % 8
+    assert out.dtype == dtype and torch.equal(out, torch.where(bits, one[0, positions], zero[0, positions]))
+    assert torch.equal(unpack(words, n, 1, dtype=dtype), bits.to(dtype))  # unpack's 1-bit path uses it
+
+
+@SETTINGS
+@given(n=st.integers(1, 300), seed=st.integers(0, 2**31 - 1), tables=st.integers(1, 4))
+def test_unpack_table_base_picks_a_table_per_byte(n, seed, tables):
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.rand(n, generator=g) < 0.5
+    values = torch.randn(tables, 2, generator=g)
+    stacked = bit_table(values[:, 0, None, None], values[:, 1, None, None]).view(-1, 8)  # (tables * 256, 8)
+    which = torch.randint(0, tables, (-(-n // 8),), generator=g)
+    out = unpack_table(pack(bits, 1), n, stacked, base=(which * 256).to(torch.int32))
+    per_entry = values[which.repeat_interleave(8)[:n]]
+    assert torch.equal(out, torch.where(bits, per_entry[:, 1], per_entry[:, 0]))
