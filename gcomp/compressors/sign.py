@@ -20,6 +20,7 @@ from typing import Annotated
 
 import torch
 
+from gcomp.bucket import BucketInfo
 from gcomp.bucket_state import BucketState, KeptInBucketState
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.core import ALLGATHER, Compressor, Method, Payload
@@ -29,10 +30,23 @@ from gcomp.registry import register
 
 AGGREGATES = ("mean", "majority")
 
+BLOCK = 1 << 18  # entries per block of the sign pack and of the sums: their work buffers stay cache-sized
+ROW = 1 << 12    # entries per fp32 partial sum (module ``row_sums``)
 
-def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """One bit per entry (1 for ``x >= 0``, 0 for ``x < 0`` and NaN) in ``ceil(n / 64)`` int64 words."""
-    return bitpack.pack((x >= 0).reshape(-1), 1)
+
+def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One bit per entry (1 for ``x >= 0``, 0 for ``x < 0`` and NaN) in ``ceil(n / 64)`` int64 words (into
+    ``out`` if given): entry i is bit ``i % 64`` of word ``i // 64``, the padding bits zero."""
+    x = x.reshape(-1)
+    n = x.numel()
+    if out is None:
+        out = torch.empty(bitpack.packed_words(n, 1), dtype=torch.int64, device=x.device)
+    flags = torch.empty(min(BLOCK, n), dtype=torch.bool, device=x.device)
+    for start in range(0, n, BLOCK):  # BLOCK is a whole number of words: each block fills its own words
+        stop = min(start + BLOCK, n)
+        block = torch.ge(x[start:stop], 0, out=flags[:stop - start])
+        bitpack.pack_flags_(block, out=out[start // 64:-(-stop // 64)])
+    return out
 
 
 def unpack_signs(words: torch.Tensor, n: int) -> torch.Tensor:
@@ -40,15 +54,113 @@ def unpack_signs(words: torch.Tensor, n: int) -> torch.Tensor:
     return bitpack.unpack(words.reshape(-1), n, 1, dtype=torch.uint8)
 
 
-def _plus_minus(bits: torch.Tensor) -> torch.Tensor:
-    """Bits 0/1 as -1.0/+1.0 (fp32)."""
-    return bits.to(torch.float32).mul_(2).sub_(1)
+def decode_signs(words: torch.Tensor, n: int, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (``n`` entries, any float dtype) set to ``+scale`` where the sign bit is 1 and ``-scale`` where
+    it is 0, in one pass over the words (``scale``: fp32, one number; cast to ``out``'s dtype once)."""
+    scale = scale.reshape(1, 1)
+    return bitpack.unpack_table(words.reshape(-1), n, bitpack.bit_table(-scale, scale).to(out.dtype), out=out)
+
+
+# --- sums that do not depend on the bucket layout -----------------------------------------------------------------
+
+def row_plan(bucket: BucketInfo, n: int) -> tuple[tuple[tuple[int, int, int], ...], int]:
+    """Each parameter segment's ``(offset, numel, first row)`` in bucket order, and the number of rows, for
+    ``row_sums``: a segment's entries are summed ROW by ROW from its own start, and its rows take their place in
+    the order of the parameters' names. A tensor the layout does not describe is one segment."""
+    segments = list(bucket.segments()) if bucket.numel == n and bucket.numels else [("", 0, n)]
+    first, rows = {}, 0
+    for name, offset, numel in sorted(segments):
+        first[offset] = rows
+        rows += -(-numel // ROW)
+    return tuple((offset, numel, first[offset]) for _, offset, numel in segments), rows
+
+
+def sum_rows(t: torch.Tensor, out: torch.Tensor, nan_as_zero: bool = False) -> None:
+    """``t`` (one block, starting on a row) summed ROW entries at a time into ``out[:ceil(len / ROW)]``."""
+    full, reduce = t.numel() // ROW, torch.nansum if nan_as_zero else torch.sum
+    if full:
+        reduce(t[:full * ROW].view(full, ROW), 1, out=out[:full])
+    if t.numel() > full * ROW:
+        reduce(t[full * ROW:], 0, out=out[full])
+
+
+def work_block(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block-sized work buffer of ``dtype`` (fp32, fp64 for fp64 buckets) next to ``x``."""
+    return torch.empty(min(BLOCK, x.numel()), dtype=dtype, device=x.device)
+
+
+def abs_row_sums(x: torch.Tensor, plan, rows: int) -> torch.Tensor:
+    """``|x|`` summed per ``row_plan`` row (fp32, fp64 for an fp64 ``x``): each row's sum is computed alike
+    wherever its parameter lies in the bucket, so any fixed-order sum of the rows is layout-free."""
+    work = torch.promote_types(x.dtype, torch.float32)
+    sums, buffer = torch.empty(rows, dtype=work, device=x.device), work_block(x, work)
+    for offset, numel, row in plan:
+        for start in range(0, numel, BLOCK):  # BLOCK is a whole number of rows
+            block = x[offset + start:offset + min(start + BLOCK, numel)]
+            t = buffer[:block.numel()]
+            torch.abs(block, out=t) if block.dtype == work else t.copy_(block).abs_()
+            sum_rows(t, sums[row + start // ROW:])
+    return sums
+
+
+def mean_magnitude(x: torch.Tensor, bucket: BucketInfo, plans: dict) -> torch.Tensor:
+    """``mean(|x|)`` as one fp32 number (shape (1,)), bit for bit the same whatever the order of the bucket's
+    parameters: fp32 sums of ROW entries of each parameter (``row_sums``), added in float64 in the order of the
+    parameters' names. ``plans`` caches ``row_plan`` per layout."""
+    key = (bucket.key, x.numel())
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = row_plan(bucket, x.numel())
+    sums = abs_row_sums(x, *plan)
+    return sums.sum(dtype=torch.float64).div_(max(x.numel(), 1)).to(torch.float32).reshape(1)
+
+
+# --- result buffers kept across steps -----------------------------------------------------------------------------
+
+def _unshared(t: torch.Tensor) -> bool:
+    """True when no tensor but ``t`` uses ``t``'s storage (nothing handed out of it is still alive)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2  # ``t`` and the storage asked here
+
+
+class Buffers:
+    """Bucket-sized tensors kept per bucket layout and handed out again once nobody holds them.
+
+    A fresh bucket-sized allocation costs several copies of the bucket on a CPU (its pages are faulted in anew
+    at every step), so decoded buckets are written into tensors kept from earlier steps: ``take`` returns one
+    whose storage nothing else shares (DDP holds a decoded bucket until the step's end, error feedback holds
+    its decode for a moment, a caller may keep any), or a fresh one, kept while fewer than ``slots`` are. A
+    layout seen for the first time drops the buffers of the layouts that share a parameter with it.
+    """
+
+    def __init__(self, slots: int = 4):
+        self.slots = slots
+        self._kept: dict[str, tuple[frozenset, list[torch.Tensor]]] = {}
+
+    def take(self, bucket: BucketInfo, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        entry = self._kept.get(bucket.key)
+        if entry is None:
+            names = frozenset(bucket.names)
+            for key in [k for k, (other, _) in self._kept.items() if names & other]:
+                del self._kept[key]
+            entry = self._kept[bucket.key] = (names, [])
+        kept = entry[1]
+        for base in kept:
+            if base.numel() == numel and base.dtype == dtype and base.device == device and _unshared(base):
+                return base.view(numel)
+        base = torch.empty(numel, dtype=dtype, device=device)
+        if len(kept) >= self.slots:
+            kept.pop(0)
+        kept.append(base)
+        return base.view(numel)
 
 
 class ScaledSignCompressor(Compressor):
-    """Sends ``sign(x)`` as 1 bit per entry (int64 words, ``ceil(n / 64) * 8`` bytes) plus ``mean(|x|)`` as one
-    fp32 number, by all-gather; decodes to ``mean(|x|) * sign(x)``. ``aggregate`` is ``mean`` (the sum of the
-    decoded payloads) or ``majority`` (the summed scales times the sign of the vote, ties 0): see the module doc.
+    """Sends ``sign(x)`` as 1 bit per entry (int64 words, ``ceil(n / 64) * 8`` bytes, entry i at bit i % 64 of
+    word i // 64) plus ``mean(|x|)`` as one fp32 number, by all-gather; decodes to ``mean(|x|) * sign(x)``.
+    ``aggregate`` is ``mean`` (the sum of the decoded payloads) or ``majority`` (the summed scales times the
+    sign of the vote, ties 0): see the module doc.
+
+    Memory: decoded buckets go into ``Buffers`` kept per layout; the encoder's work buffers are block-sized.
     """
 
     collective = ALLGATHER
@@ -58,30 +170,48 @@ class ScaledSignCompressor(Compressor):
             raise ValueError(f"aggregate must be one of {AGGREGATES}; got {aggregate!r}")
         self.aggregate_by = aggregate
         self.decodes_alone = aggregate == "mean"
+        self._plans: dict = {}  # caches, not state: layout -> row_plan
+        self._buffers = Buffers()
 
-    def _encode(self, x: torch.Tensor, dtype: torch.dtype) -> Payload:
-        # Summed in float64, so the fp32 scale does not depend on where DDP put each parameter in the bucket
-        # (a resumed run starts on DDP's first layout and must follow the run that never stopped bit for bit).
-        scale = x.abs().sum(dtype=torch.float64).div_(x.numel()).to(torch.float32).reshape(1)
-        return Payload([pack_signs(x), scale], ctx=(x.numel(), dtype))
+    def _encode(self, x: torch.Tensor, dtype: torch.dtype, bucket: BucketInfo) -> Payload:
+        # The scale must not depend on where DDP put each parameter in the bucket (a resumed run starts on
+        # DDP's first layout and must follow the run that never stopped bit for bit): mean_magnitude says how.
+        scale = mean_magnitude(x, bucket, self._plans)
+        return Payload([pack_signs(x), scale], ctx=(x.numel(), dtype, bucket))
 
     def compress(self, tensor, bucket):
-        return self._encode(tensor, tensor.dtype)
+        return self._encode(tensor, tensor.dtype, bucket)
 
     def decompress(self, tensors, ctx):
         words, scale = tensors
-        n, dtype = ctx
-        return _plus_minus(unpack_signs(words, n)).mul_(scale.reshape(())).to(dtype)
+        n, dtype, bucket = ctx
+        return decode_signs(words, n, scale, self._buffers.take(bucket, n, dtype, words.device))
 
     def aggregate(self, gathered, ctx):
         words, scales = gathered  # (world, n_words) int64, (world, 1) fp32
-        n, dtype = ctx
-        world = words.shape[0]
-        bits = unpack_signs(words, words.numel() * 64).view(world, -1)[:, :n]
+        n, dtype, bucket = ctx
+        world, device = words.shape[0], words.device
+        take = self._buffers.take
+        if world == 1:  # one rank's vote is its sign: both rules decode its payload
+            return decode_signs(words[0], n, scales.reshape(1), take(bucket, n, dtype, device))
         if self.aggregate_by == "majority":
-            vote = bits.sum(0, dtype=torch.int32).mul_(2).sub_(world).sign_()  # (#plus - #minus), ties 0
-            return vote.to(torch.float32).mul_(scales.sum()).to(dtype)
-        return (scales.reshape(1, world) @ _plus_minus(bits)).reshape(n).to(dtype)
+            counts, ranks = take(bucket, n, torch.int32, device), take(bucket, n, torch.int32, device)
+            one = torch.ones((), dtype=torch.int32, device=device)
+            bit = bitpack.bit_table(torch.zeros_like(one), one)
+            bitpack.unpack_table(words[0], n, bit, out=counts)
+            for r in range(1, world):
+                counts.add_(bitpack.unpack_table(words[r], n, bit, out=ranks))
+            del ranks
+            # count c of +1 votes: (#plus - #minus) = 2c - world, its sign the vote (ties 0)
+            votes = torch.arange(world + 1, device=device).mul_(2).sub_(world).sign_()
+            table = votes.to(torch.float32).mul_(scales.sum()).to(dtype)
+            return torch.index_select(table, 0, counts, out=take(bucket, n, dtype, device))
+        total, part = take(bucket, n, torch.float32, device), take(bucket, n, torch.float32, device)
+        decode_signs(words[0], n, scales[0], total)
+        for r in range(1, world):
+            total.add_(decode_signs(words[r], n, scales[r], part))
+        del part
+        return total if dtype == torch.float32 else take(bucket, n, dtype, device).copy_(total)
 
 
 class SignumCompressor(KeptInBucketState, ScaledSignCompressor):
@@ -100,14 +230,17 @@ class SignumCompressor(KeptInBucketState, ScaledSignCompressor):
         self._state = BucketState(("momentum",), owner="SignumCompressor")
 
     def compress(self, tensor, bucket):
-        g = tensor.to(torch.float32)
-        old = self._state.find(bucket, g)
-        m = (g * (1.0 - self.momentum) if old is None
-             else old["momentum"].mul(self.momentum).add_(g, alpha=1.0 - self.momentum))
-        payload = self._encode(m, tensor.dtype)
-        self._state.put(bucket, {"momentum": torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)})
+        # (``find`` shapes a momentum it builds from checkpointed pieces like its second argument: fp32)
+        like = tensor if tensor.dtype == torch.float32 else torch.empty(tensor.shape, device=tensor.device)
+        old = self._state.find(bucket, like)
+        if old is None:
+            m = torch.empty(tensor.shape, dtype=torch.float32, device=tensor.device).copy_(tensor)
+            m.mul_(1.0 - self.momentum)
+        else:  # in place: the momentum of this layout is this compressor's own
+            m = old["momentum"].mul_(self.momentum).add_(tensor, alpha=1.0 - self.momentum)
+        payload = self._encode(m, tensor.dtype, bucket)
+        self._state.put(bucket, {"momentum": torch.nan_to_num_(m, nan=0.0, posinf=0.0, neginf=0.0)})
         return payload
-
 
 
 _AGGREGATE_HELP = "how ranks' signs combine: 'mean' of the scaled signs, or 'majority' vote (ties 0)"

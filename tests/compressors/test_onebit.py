@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import gcomp
 from gcomp import BucketInfo
 from gcomp.compressors.onebit import OneBitCompressor
+from gcomp.compressors.sign import BLOCK, ROW
 from tests.compressors.test_sign import check_convergence
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -117,3 +118,47 @@ def test_error_feedback_conservation(dtype):
 # Bound 0.5, as for efsignsgd: error feedback returns what the two means leave out, so it tracks dense SGD.
 def test_four_ranks_lower_the_loss():
     check_convergence("onebit", {}, 0.5)
+
+
+# --- layout independence, large parameters, buffers kept across steps ---------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_means_are_bit_for_bit_the_same_whatever_the_layout(dtype):
+    """Each side of a parameter is summed in rows from the parameter's own start: its two means do not move by
+    one bit with the order of the parameters, their offsets in the bucket, or the thread count."""
+    numels = {"w": BLOCK + 2 * ROW + 3, "b": 13, "v": 3 * ROW + 1, "u": 1}
+    parts = {name: _values(k, dtype, i, 0.2) for i, (name, k) in enumerate(numels.items())}
+
+    def means(order, threads):
+        info = BucketInfo.from_layout(0, dtype, order, [numels[n] for n in order])
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            payload = OneBitCompressor().compress(torch.cat([parts[n] for n in order]), info)
+        finally:
+            torch.set_num_threads(before)
+        m = payload.tensors[1].view(2, -1)
+        return {n: m[:, i] for i, n in enumerate(order)}, payload
+
+    reference, payload = means(list(numels), 1)
+    for order, threads in [(["u", "v", "b", "w"], 1), (["b", "w", "u", "v"], 2)]:
+        got, _ = means(order, threads)
+        assert all(torch.equal(got[n], reference[n]) for n in numels), (order, threads)
+    w = parts["w"].double()  # a parameter over several blocks: still the means of its two sides
+    torch.testing.assert_close(reference["w"].double(), torch.stack([w[w < 0].mean(), w[w >= 0].mean()]),
+                               rtol=1e-6, atol=0)
+
+
+def test_decoded_buckets_reuse_buffers_kept_across_steps_but_never_one_still_held():
+    info = _layout([300, 5, 200], torch.float32)
+    comp = OneBitCompressor()
+    payloads = [comp.compress(_values(505, torch.float32, s, 0.1), info) for s in range(3)]
+    first = comp.decompress(payloads[0].tensors, payloads[0].ctx)
+    held = first.clone()
+    second = comp.decompress(payloads[1].tensors, payloads[1].ctx)
+    assert second.data_ptr() != first.data_ptr() and torch.equal(first, held)
+    ptr = second.data_ptr()
+    del second
+    third = comp.aggregate([t.unsqueeze(0) for t in payloads[2].tensors], payloads[2].ctx)
+    assert third.data_ptr() == ptr  # the dropped one's buffer, not a fresh bucket
+    assert torch.equal(first, held) and torch.equal(third, comp.decompress(payloads[2].tensors, payloads[2].ctx))

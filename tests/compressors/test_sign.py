@@ -15,7 +15,9 @@ from torch import nn
 
 import gcomp
 from gcomp import BucketInfo
-from gcomp.compressors.sign import ScaledSignCompressor, SignumCompressor, pack_signs, unpack_signs
+from gcomp.compressors.sign import AGGREGATES
+from gcomp.compressors.sign import (BLOCK, ROW, ScaledSignCompressor, SignumCompressor, decode_signs, pack_signs,
+                                   unpack_signs)
 from tests.distributed import run_ranks
 from tests.models import ddp, flat_params, mlp, teacher_labels
 
@@ -61,6 +63,64 @@ def test_nan_goes_as_minus_and_the_scale_carries_it():
     payload = comp.compress(x, BucketInfo.single(x))
     assert payload.tensors[1].isnan().all()
     assert comp.decompress(payload.tensors, payload.ctx).isnan().all()
+
+
+def test_sign_bits_across_blocks_and_decoded_in_one_pass():
+    n = 2 * BLOCK + 77  # the packer works block by block: blocks must meet on word boundaries
+    x = _values(n, torch.float32, 3)
+    words = pack_signs(x)
+    assert torch.equal(unpack_signs(words, n).bool(), x >= 0)
+    out = decode_signs(words, n, torch.tensor([0.5]), torch.empty(n, dtype=torch.bfloat16))
+    assert torch.equal(out, torch.where(x >= 0, 0.5, -0.5).to(torch.bfloat16))
+
+
+def _parts(numels, dtype) -> dict[str, torch.Tensor]:
+    return {f"p{i}": _values(k, dtype, 100 + i) * 10.0 ** (i - 2) for i, k in enumerate(numels)}
+
+
+def _scale(numels, order, dtype, threads):
+    names, parts = [f"p{i}" for i in range(len(numels))], _parts(numels, dtype)
+    info = BucketInfo.from_layout(0, dtype, [names[i] for i in order], [numels[i] for i in order])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return ScaledSignCompressor().compress(torch.cat([parts[names[i]] for i in order]), info).tensors[1]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_the_scale_is_bit_for_bit_the_same_whatever_the_layout(dtype):
+    """A resumed run starts on DDP's first bucket layout: the scale must not move by one bit with the order of
+    the parameters, their offsets (row sums start on each parameter, not on the bucket), or the thread count."""
+    numels = [BLOCK + 3 * ROW + 5, 17, 3 * ROW, 1, 5000]
+    reference = _scale(numels, range(len(numels)), dtype, 1)
+    for order, threads in [([4, 3, 2, 1, 0], 1), ([1, 0, 3, 4, 2], 2), ([2, 0, 1, 4, 3], 2)]:
+        assert torch.equal(_scale(numels, order, dtype, threads), reference), (order, threads)
+    exact = torch.cat([p.double() for p in _parts(numels, dtype).values()])
+    torch.testing.assert_close(reference.double(), exact.abs().mean().reshape(1), rtol=1e-6, atol=0)
+
+
+def _kept(comp, info) -> list[int]:
+    return [t.data_ptr() for t in comp._buffers._kept[info.key][1]]
+
+
+@pytest.mark.parametrize("aggregate", AGGREGATES)
+def test_decoded_buckets_reuse_buffers_kept_across_steps_but_never_one_still_held(aggregate):
+    comp = ScaledSignCompressor(aggregate)
+    info = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [300, 200])
+    xs = [_values(500, torch.float32, s) for s in range(4)]
+    payloads = [comp.compress(x, info) for x in xs]
+    first = comp.decompress(payloads[0].tensors, payloads[0].ctx)
+    assert first.data_ptr() in _kept(comp, info)
+    held = first.clone()
+    second = comp.decompress(payloads[1].tensors, payloads[1].ctx)  # ``first`` is still held: another buffer
+    assert second.data_ptr() != first.data_ptr() and torch.equal(first, held)
+    ptr = second.data_ptr()
+    del second
+    again = comp.aggregate(_stack(payloads[2:3]), payloads[2].ctx)  # ``second`` was dropped: its buffer again
+    assert again.data_ptr() == ptr and len(_kept(comp, info)) == 2
+    assert torch.equal(first, held)
 
 
 # --- the codec ------------------------------------------------------------------------------------------------
@@ -179,6 +239,16 @@ def test_signum_state_dict_resumes_and_follows_parameters_to_a_new_layout():
     assert torch.equal(out, torch.cat([ref_out[40:], ref_out[:40]]))
     with pytest.raises(ValueError, match="unexpected keys"):
         SignumCompressor(0.9).load_state_dict({"momentum": {}, "other": 1})
+
+
+def test_signum_updates_its_momentum_in_place():
+    info = BucketInfo.single(torch.zeros(1000))
+    comp = SignumCompressor(0.5)
+    comp.compress(torch.randn(1000), info)
+    kept = comp._state.find(info, torch.zeros(1000))["momentum"]
+    for seed in range(3):
+        comp.compress(torch.randn(1000, generator=torch.Generator().manual_seed(seed)), info)
+        assert comp._state.find(info, torch.zeros(1000))["momentum"] is kept
 
 
 def test_signum_drops_non_finite_momentum_after_sending_it():
