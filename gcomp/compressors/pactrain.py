@@ -12,7 +12,7 @@ import torch
 
 from gcomp.collectives import bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
-from gcomp.compressors import scale_grid
+from gcomp.compressors import bernoulli, scale_grid
 from gcomp.compressors.quantise import RankGenerator, per_segment_, rank_and_world, segment_scales
 from gcomp.core import ALLREDUCE, MAX, SUM, Method, Payload, check_state
 from gcomp.memory import NoMemory
@@ -222,11 +222,13 @@ class PacTrainCompressor(ChainedCompressor):
         one scale per parameter segment), then the zero padding of the lanes' last word (uint8: t = -1 is
         (0 * 2 - 1) mod 256 = 255, and 255 + 1 wraps to 0). Error feedback keeps what the codes do not carry."""
         buffers, segments, k = track.buffers, track.support.segments, track.support.kept
-        values, draws, hit = buffers["values"], buffers["draws"], buffers["hit"]
+        values, hit = buffers["values"], buffers["hit"]
         prob, codes = buffers["prob"][:k], buffers["codes"][:k]  # past k: the lanes' zero padding
-        per_segment_(prob, shared, segments, torch.Tensor.div_)  # |value| / shared scale, in [0, 1] unless clipped
-        draws.uniform_(generator=self.random(values.device))
-        torch.lt(draws, prob, out=hit)  # a NaN probability never hits: t = 0; above 1 always hits: +-scale
+        # |value| / shared scale, in [0, 1] unless clipped, times bernoulli.SCALE (divided into the scale: exact)
+        per_segment_(prob, shared / bernoulli.SCALE, segments, torch.Tensor.div_)
+        # a NaN probability never hits: t = 0; above 1 always hits: +-scale
+        work = buffers.setdefault("bernoulli", {"draws": buffers["draws"]})
+        bernoulli.draw_hits(hit, prob, self.random(values.device), work)
         # codes = t + 1 = (2 * (value > 0) - 1) * hit + 1, in {0, 1, 2}; the bool views avoid temporaries
         torch.gt(values, 0, out=codes.view(torch.bool))
         codes.mul_(2).sub_(1).mul_(hit.view(torch.uint8)).add_(1)
