@@ -94,13 +94,26 @@ def _ms(row: dict, key: str):
     return None if row.get(key) is None else 1000 * row[key]
 
 
+def links(rows: list[dict]) -> list[dict]:
+    """The links the runs' workers probed (``gcomp.bench.throughput.probe_link``), one per bandwidth and worker
+    count: latency per message ``alpha_s``, seconds per byte ``beta_s`` and the rate that makes."""
+    seen: dict[tuple, dict] = {}
+    for r in rows:
+        link = r.get("link")
+        if isinstance(link, dict) and link.get("beta_s"):
+            seen.setdefault((r.get("bandwidth"), r.get("workers")), {
+                "bandwidth": r.get("bandwidth"), "workers": r.get("workers"), "alpha_s": link.get("alpha_s"),
+                "beta_s": link["beta_s"], "measured_bps": 8.0 / link["beta_s"]})
+    return list(seen.values())
+
+
 def write(rows: list[dict], out: Path, meta: dict, summary: list[dict] | None = None) -> dict[str, Path]:
-    """results.json (meta, every run and the summary), results.csv (the runs), and the plots where matplotlib
-    is installed."""
+    """results.json (meta, with the probed ``links`` beside the ``network``; every run and the summary),
+    results.csv (the runs), and the plots where matplotlib is installed."""
     from gcomp.bench import plots
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "csv": out / "results.csv"}
-    body = {"meta": meta, "runs": rows}
+    body = {"meta": {**meta, "links": links(rows)}, "runs": rows}
     if summary is not None:
         body["summary"] = summary
     paths["json"].write_text(json.dumps(body, indent=1))

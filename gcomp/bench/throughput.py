@@ -1,15 +1,25 @@
-"""The throughput of a shaped link, measured: one TCP stream between two workers of a ``ShapedNetwork``.
+"""The throughput and latency of a shaped link, measured.
 
     python -m gcomp.bench.throughput --bandwidth 100mbit --mbytes 16     # build 2 shaped workers, measure, tear down
 
-The sender and receiver are small ``python -c`` scripts run inside the workers' namespaces; the clock starts
-at the first chunk received, so the connection set-up is not timed.
+``measure_throughput_bps``: one TCP stream between two workers of a ``ShapedNetwork``. The sender and receiver
+are small ``python -c`` scripts run inside the workers' namespaces; the clock starts at the first chunk
+received, so the connection set-up is not timed.
+
+``probe_link``: the path as the benchmark's collectives see it, measured by the workers themselves at the start
+of a run (``gcomp.bench.worker``): timed gloo all-reduces of a tiny and of a large tensor over every worker.
+A ring all-reduce of ``n`` bytes over ``P`` ranks takes ``2(P-1)`` messages and moves ``2(P-1)/P * n`` bytes
+per rank, so the tiny one gives the latency per message ``alpha`` (tc's queueing, veth, the bridge, gloo's
+TCP and its threads, and the scheduling of ``P`` processes on this machine's cores, all included) and the
+difference of the two the seconds per byte ``beta``. ``gcomp simulate`` prices every collective with them.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
+import time
 from typing import Sequence
 
 from gcomp.bench.netem import RATE_FORMS, ShapedNetwork, cleanup_stale, parse_rate, permitted, run_command
@@ -61,6 +71,95 @@ def measure_throughput_bps(network: ShapedNetwork, sender: int, receiver: int, n
         raise RuntimeError(f"throughput receiver failed: {err.strip()}")
     received, elapsed = out.split()
     return int(received) * 8 / float(elapsed)
+
+
+PROBE_SMALL_BYTES = 8  # one int64: a scale or flag round is this small
+PROBE_LARGE_BYTES = 1 << 20  # large enough that the bytes, not the messages, dominate at 100 Gbit/s too
+PROBE_REPEATS = (15, 3)  # small, large: the fastest of this many, after one untimed warm-up of each
+
+
+def _timed_allreduce_s(nbytes: int, repeats: int, group, device) -> float:
+    """The fastest of ``repeats`` all-reduces of ``nbytes`` on this rank, every rank starting together: what the
+    path itself takes (other work on the machine only ever adds to it)."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.zeros(max(nbytes // 8, 1), dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, group=group)  # warm-up: connections, buffers
+    samples = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        if tensor.device.type == "cuda":
+            torch.cuda.synchronize(tensor.device)
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def link_from_timings(small_s: float, large_s: float, workers: int, small_bytes: int = PROBE_SMALL_BYTES,
+                      large_bytes: int = PROBE_LARGE_BYTES) -> dict:
+    """``alpha_s`` (seconds per message) and ``beta_s`` (seconds per byte) from the times of two ring all-reduces
+    of ``small_bytes`` and ``large_bytes`` over ``workers`` ranks (``2(P-1)`` messages, ``2(P-1)/P * n`` bytes
+    per rank each); with one worker there is no link (both None)."""
+    if workers < 2:
+        return {"alpha_s": None, "beta_s": None}
+    share = 2 * (workers - 1) / workers
+    beta = max(large_s - small_s, 0.0) / (share * (large_bytes - small_bytes))
+    alpha = max(small_s - share * small_bytes * beta, 0.0) / (2 * (workers - 1))
+    return {"alpha_s": alpha, "beta_s": beta}
+
+
+def probe_link(group=None, small_bytes: int = PROBE_SMALL_BYTES, large_bytes: int = PROBE_LARGE_BYTES,
+               repeats: tuple[int, int] = PROBE_REPEATS, device="cpu") -> dict:
+    """Every rank of ``group`` calls this together (it runs collectives): the link's ``alpha_s`` and ``beta_s`` as
+    ``link_from_timings`` derives them from this rank's timed all-reduces (of tensors on ``device``), and the
+    timings themselves."""
+    import torch.distributed as dist
+
+    workers = dist.get_world_size(group)
+    small = _timed_allreduce_s(small_bytes, repeats[0], group, device)
+    large = _timed_allreduce_s(large_bytes, repeats[1], group, device)
+    return {**link_from_timings(small, large, workers, small_bytes, large_bytes), "probe_small_s": small,
+            "probe_large_s": large, "probe_small_bytes": small_bytes, "probe_large_bytes": large_bytes}
+
+
+def loaded_latency_s(spans_by_rank: list[list[tuple[float, float]]], workers: int) -> float | None:
+    """``alpha`` under load from the ranks' ``(ready, done)`` times of the same tiny all-reduces (one list per
+    rank, rank 0's first): per all-reduce, rank 0's completion less the last rank's arrival, over the
+    ``2(P-1)`` messages of a ring; the median over the all-reduces. None with one worker."""
+    if workers < 2 or not spans_by_rank or not spans_by_rank[0]:
+        return None
+    durations = [max(done - max(spans[i][0] for spans in spans_by_rank), 0.0)
+                 for i, (_, done) in enumerate(spans_by_rank[0])]
+    return statistics.median(durations) / (2 * (workers - 1))
+
+
+def probe_loaded_latency(local_step, group=None, repeats: int = PROBE_REPEATS[0], device="cpu") -> float | None:
+    """``alpha`` as the run's collectives meet it: every rank runs ``local_step()`` (a training step's local
+    work, no communication) and then at once an all-reduce of ``PROBE_SMALL_BYTES``, ``repeats`` times; the
+    ranks' ready and done times (one monotonic clock on one machine) give ``loaded_latency_s``. A process
+    that has just computed is woken for each message later than an idle one on a busy machine, so this is
+    the latency a step's rounds see, where ``probe_link``'s idle one is the path's own. Every rank of
+    ``group`` calls this together."""
+    import torch
+    import torch.distributed as dist
+
+    workers = dist.get_world_size(group)
+    tensor = torch.zeros(max(PROBE_SMALL_BYTES // 8, 1), dtype=torch.int64, device=device)
+    spans = []
+    for _ in range(repeats):
+        local_step()
+        if tensor.device.type == "cuda":
+            torch.cuda.synchronize(tensor.device)
+        ready = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        if tensor.device.type == "cuda":
+            torch.cuda.synchronize(tensor.device)
+        spans.append((ready, time.perf_counter()))
+    gathered: list = [None] * workers
+    dist.all_gather_object(gathered, spans, group=group)
+    return loaded_latency_s(gathered, workers)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -35,6 +35,9 @@ from torch.nn.parallel import DistributedDataParallel
 import gcomp
 from gcomp.bench.devices import synchronize, worker_device
 from gcomp.bench.methods import BenchMethod, TorchHook, parse_method
+from gcomp.bench.straggler import ReadyClock, wait_for_peers
+from gcomp.bench.throughput import probe_link, probe_loaded_latency
+from gcomp.collectives.counting import COUNTER_KEYS
 from gcomp.bench.workloads import Data, accuracy, load_data, loss_fn, make_model
 from gcomp.ddp_options import no_buffer_sync
 from gcomp.pruning import kept_fraction, prune
@@ -42,6 +45,8 @@ from gcomp.pruning import kept_fraction, prune
 COMPUTE_SAMPLES = 5
 # the hook's counters a row reports per step; the inter-node pair only for hierarchical methods (on a leader)
 COUNTERS = ("bytes_sent", "bytes_dense", "encode_s", "decode_s", "inter_bytes", "inter_bytes_dense")
+# what the communicators launched (gcomp.collectives.counting), per step in a row: what gcomp simulate prices
+LAUNCHED = ("buckets", *COUNTER_KEYS)
 
 
 def batches(data: Data, rank: int, world: int, batch: int, seed: int):
@@ -90,6 +95,7 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
                device: torch.device = torch.device("cpu")) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ddp, stats = build(method, config, data, pretrained, device)
+    ready = ReadyClock(getattr(ddp, "_gcomp_state", None))  # when this rank's buckets were ready, per step
     opt = torch.optim.SGD(ddp.parameters(), lr=config["lr"], momentum=config["momentum"])
     stream = batches(data, rank, world, config["batch"], config["seed"])
     steps, kept = config["steps"], kept_fraction(model)
@@ -109,7 +115,7 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
         clock += elapsed
         times.append(elapsed)
         losses.append(loss.detach())
-        counters.append({k: stats[k] for k in COUNTERS if k in stats})
+        counters.append({k: stats[k] for k in COUNTERS + LAUNCHED if k in stats})
         bar.update()
         if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
             history.append({"step": step + 1, "train_s": clock, "accuracy": accuracy(model, data.test)})
@@ -118,9 +124,21 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
                                        f"test accuracy {history[-1]['accuracy']:.4f}")
     bar.close()
     compute = compute_time(ddp, opt, stream, device)
+    wait = wait_for_peers(ready, steps // 2)  # over the steady half, as summarise's figures
+    loaded = probe_loaded_latency(lambda: local_work(ddp, opt, stream), device=device)
     dist.barrier()
-    return summarise(method, config, times, losses, counters, history, compute, kept, world,
-                     sum(p.numel() for p in model.parameters()))
+    return {**summarise(method, config, times, losses, counters, history, compute, kept, world,
+                        sum(p.numel() for p in model.parameters())), "wait_s_per_step": wait,
+            "alpha_loaded_s": loaded}
+
+
+def local_work(ddp, opt, stream) -> None:
+    """Forward and backward of one batch with no communication (``no_sync``); the gradients are dropped and
+    the model does not move."""
+    x, y = next(stream)
+    with ddp.no_sync():
+        loss_fn(ddp(x), y).backward()
+    opt.zero_grad()
 
 
 class _NoBar:
@@ -191,7 +209,7 @@ def summarise(method, config, times, losses, counters, history, compute, kept, w
             "final_accuracy": history[-1]["accuracy"] if history else None, "history": history,
             "step_times": times, "losses": [float(v) for v in losses], "kept_fraction": kept, "parameters": params,
             "one_bucket": method.one_bucket,
-            **{f"{key}_per_step": per_step(key) for key in ("inter_bytes", "inter_bytes_dense")
+            **{f"{key}_per_step": per_step(key) for key in ("inter_bytes", "inter_bytes_dense", *LAUNCHED)
                if counters and key in counters[-1]}}
 
 
@@ -205,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     log = (lambda text: print(text, flush=True)) if rank == 0 and config.get("verbose", True) else (lambda text: None)
     try:
+        link = probe_link(device=device)  # the path's alpha and beta, as this run's collectives see it
         data = on_device(load_data(config["dataset"], data_dir=config.get("data_dir"), seed=config["split_seed"]),
                          device)
         weights = {}
@@ -222,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             load_start = os.getloadavg()[0]
             row = run_method(method, {**config, **job}, data, weights.get(path), log, device)
             row["device"], row["backend"] = device.type, config.get("backend", "gloo")
+            row["link"] = link
             row["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}  # 1 minute, this machine
             rows.append(row)
         if rank == 0:
