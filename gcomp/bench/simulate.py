@@ -3,8 +3,12 @@
     gcomp simulate --results results.json --workers 8 16 32 64 --bandwidth 1gbit 10gbit   # or python -m gcomp.bench.simulate
 
 Each method's row with the most workers becomes a :class:`gcomp.bench.costmodel.Profile`; the table gives its
-step time and speedups at every worker count and bandwidth asked for, and the error table compares the model
-with every row that was measured on a shaped network. Writes ``simulate.json`` and ``simulate.png``.
+step time and speedups at every worker count and bandwidth asked for, with the model's error on that method's
+measured runs beside it (``model_error``: the largest over them, sign kept). The error table compares the model
+with every row that was measured on a shaped network, each priced on the link its workers probed: step and
+communication, measured and predicted, and the error in percent. The latency per message of the projection
+is the median of the runs' probed latencies unless ``--alpha-us`` sets one. Writes ``simulate.json`` and
+``simulate.png``.
 """
 from __future__ import annotations
 
@@ -14,7 +18,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gcomp.bench.costmodel import DEFAULT_ALPHA_S, Network, Profile, bandwidth_label, model_error, project
+import statistics
+
+from gcomp.bench.costmodel import (DEFAULT_ALPHA_S, Network, Profile, bandwidth_label, error_by_method, model_error,
+                                   project)
 
 DEFAULT_WORKERS = (8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_BANDWIDTHS = ("100mbit", "1gbit", "10gbit", "100gbit")
@@ -102,6 +109,35 @@ def largest_run_per_method(runs: Sequence[dict]) -> list[dict]:
             for (method, ratio), row in chosen.items()]
 
 
+def probed_alpha_s(runs: Sequence[dict]) -> float | None:
+    """The median latency per message the runs' workers probed on their links (``gcomp.bench.throughput``);
+    None when no run probed one."""
+    alphas = [run["link"]["alpha_s"] for run in runs
+              if isinstance(run.get("link"), dict) and run["link"].get("alpha_s") is not None]
+    return statistics.median(alphas) if alphas else None
+
+
+def error_table(errors: Sequence[dict]) -> list[dict]:
+    """``model_error``'s rows as printed: milliseconds, the link, and the error in percent."""
+    def ms(value):
+        return None if value is None else round(1000 * value, 2)
+    return [{"method": e["method"], "workers": e["workers"], "bandwidth": e["bandwidth"],
+             "link alpha us": round(e["link_alpha_us"], 1), "link Mbit/s": round(e["link_mbit"], 1),
+             "local ms": ms(e["local_s"]), "wait ms": ms(e["wait_s"]),
+             "measured ms": ms(e["measured_s"]), "predicted ms": ms(e["predicted_s"]),
+             "comm measured ms": ms(e["measured_comm_s"]), "comm predicted ms": ms(e["predicted_comm_s"]),
+             "error %": None if e["rel_error"] is None else f"{100 * e['rel_error']:+.1f}"} for e in errors]
+
+
+def error_summary(errors: Sequence[dict]) -> str:
+    """One line: how far the model is from the measured runs."""
+    rel = [abs(e["rel_error"]) for e in errors if e["rel_error"] is not None]
+    if not rel:
+        return "model error: no run measured on a shaped network, so the projection is unchecked"
+    return (f"model error against {len(rel)} measured runs: largest {100 * max(rel):.1f}%, median "
+            f"{100 * statistics.median(rel):.1f}% (per method in the projection's model_error column)")
+
+
 def _parse_args(argv):
     parser = argparse.ArgumentParser(prog="gcomp simulate", description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, nargs="+", required=True,
@@ -109,7 +145,9 @@ def _parse_args(argv):
                              "bandwidths check the model against more measurements)")
     parser.add_argument("--workers", type=int, nargs="+", default=list(DEFAULT_WORKERS))
     parser.add_argument("--bandwidth", nargs="+", default=list(DEFAULT_BANDWIDTHS), help="e.g. 1gbit 10gbit")
-    parser.add_argument("--alpha-us", type=float, default=DEFAULT_ALPHA_S * 1e6, help="latency per message")
+    parser.add_argument("--alpha-us", type=float, default=None,
+                        help="latency per message of the projection (default: the median the runs probed, else "
+                             f"{DEFAULT_ALPHA_S * 1e6:g})")
     parser.add_argument("--baseline", default="identity")
     parser.add_argument("--ranks-per-node", type=int, default=1, help="node size for hierarchical methods")
     parser.add_argument("--intra-bandwidth", default=None, help="intra-node link (default: as between nodes)")
@@ -121,9 +159,10 @@ def main(argv=None) -> int:
     """CLI: project the profiles of a results file, print the tables, write ``simulate.json`` and
     ``simulate.png`` (the plot is skipped, with a note, when matplotlib is not installed)."""
     args = _parse_args(argv)
-    alpha_s = args.alpha_us * 1e-6
     try:
         runs = [run for path in args.results for run in load_runs(path)]
+        probed = probed_alpha_s(runs)
+        alpha_s = args.alpha_us * 1e-6 if args.alpha_us is not None else probed or DEFAULT_ALPHA_S
         networks = [Network.parse(text, alpha_s) for text in args.bandwidth]
         intra = None if args.intra_bandwidth is None else Network.parse(args.intra_bandwidth, alpha_s)
         comm_kw = {"ranks_per_node": args.ranks_per_node, "intra": intra}
@@ -132,12 +171,18 @@ def main(argv=None) -> int:
         errors = model_error([Profile.from_row(row) for row in runs], alpha_s, **comm_kw)
     except ValueError as err:
         raise SystemExit(f"gcomp simulate: {err}") from err
+    worst = error_by_method(errors)
+    for row in rows:
+        row["model_error"] = worst.get(row["method"])
+    source = "--alpha-us" if args.alpha_us is not None else "probed by the runs" if probed else "default"
+    print(f"latency per message: {alpha_s * 1e6:.1f} us ({source}); {error_summary(errors)}\n")
     print(markdown(rows))
-    print("\nModel error against the measured runs:\n")
-    print(markdown(errors))
+    print("\nModel error against the measured runs (each on its own probed link):\n")
+    print(markdown(error_table(errors)))
+    print("\n" + error_summary(errors))
     out = args.out or args.results[0].parent
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"workers": args.workers, "bandwidth": args.bandwidth, "alpha_s": alpha_s,
+    settings = {"workers": args.workers, "bandwidth": args.bandwidth, "alpha_s": alpha_s, "alpha_source": source,
                 "baseline": args.baseline, "ranks_per_node": args.ranks_per_node,
                 "intra_bandwidth": args.intra_bandwidth}
     (out / "simulate.json").write_text(json.dumps({"settings": settings, "rows": rows, "model_error": errors},

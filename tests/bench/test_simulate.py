@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from gcomp.bench.costmodel import (COLLECTIVES, Network, Profile, bandwidth_label, comm_time, model_error, project,
-                                   step_time)
+from gcomp.bench.costmodel import (COLLECTIVES, Launched, Network, Profile, bandwidth_label, comm_time,
+                                   error_by_method, launched_s, model_error, project, step_time)
 from gcomp.bench.simulate import main, markdown, plot
+from gcomp.bench.throughput import link_from_timings
 
 ALPHA = 50e-6
 MBIT100 = Network(1e8, ALPHA)  # beta = 8 / 1e8 = 8e-8 s/byte
@@ -302,3 +303,110 @@ def test_gcomp_simulate_runs_the_model_from_the_command_line(tmp_path, capsys):
     out = json.loads((tmp_path / "simulate.json").read_text())
     assert len(out["rows"]) == 2 * 2 * 1  # methods x worker counts x bandwidths
     assert "| fp16 |" in capsys.readouterr().out
+
+
+# ---- counted collectives, probed links, the error column ---------------------------------------------------
+
+COUNTED = {"rounds_per_step": 3.0, "allreduce_calls_per_step": 2.0, "allreduce_bytes_per_step": 1e6,
+           "allgather_calls_per_step": 1.0, "allgather_bytes_per_step": 1e4, "p2p_rounds_per_step": 0.0,
+           "p2p_bytes_per_step": 0.0, "buckets_per_step": 1.0, "round_work_s_per_step": 0.004}
+
+
+def test_launched_prices_every_counted_collective():
+    launched = Launched(4, rounds=3, allreduce_calls=2, allreduce_bytes=1e6, allgather_calls=1,
+                        allgather_bytes=1e4)
+    # all-reduces: 2 * 2*3 * 50e-6 = 6e-4 and 1e6 * 2*3/4 * 8e-8 = 0.12;
+    # all-gather: 1 * 3 * 50e-6 = 1.5e-4 and 1e4 * 3 * 8e-8 = 2.4e-3
+    assert launched_s(launched, 4, MBIT100) == pytest.approx(6e-4 + 0.12 + 1.5e-4 + 2.4e-3)
+    # at 8 workers the same counts: 2 * 14 * 50e-6 + 1e6 * 14/8 * 8e-8 + 7 * 50e-6 + 1e4 * 7 * 8e-8
+    assert launched_s(launched, 8, MBIT100) == pytest.approx(1.4e-3 + 0.14 + 3.5e-4 + 5.6e-3)
+    assert launched_s(launched, 1, MBIT100) == 0.0
+
+
+def test_launched_point_to_point_scales_its_schedule():
+    launched = Launched(4, rounds=4, p2p_rounds=4, p2p_bytes=1e5)
+    # as measured: 4 rounds of 50e-6 and 1e5 bytes of 8e-8
+    assert launched_s(launched, 4, MBIT100, "spardl") == pytest.approx(2e-4 + 8e-3)
+    # SparDL at 16: rounds 4 * (2*4)/(2*2) = 8; bytes 1e5 * (2*15/16) / (2*3/4) = 1.25e5
+    assert launched_s(launched, 16, MBIT100, "spardl") == pytest.approx(8 * 50e-6 + 1.25e5 * 8e-8)
+    # gTop-k's root: bytes scale with the rounds too, 1e5 * 8/4
+    assert launched_s(launched, 16, MBIT100, "gtopk") == pytest.approx(8 * 50e-6 + 2e5 * 8e-8)
+
+
+def test_profile_reads_the_counts_the_link_and_the_work_between_rounds():
+    counted = {**row("powersgd", "allreduce", 4, 1e8, 1e6, step_s=0.3), **COUNTED,
+               "link": {"alpha_s": 1e-4, "beta_s": 1.6e-7}}
+    profile = Profile.from_row(counted)
+    assert profile.launched == Launched(4, 3, 2, 1e6, 1, 1e4, 0, 0, 1)
+    assert (profile.link_alpha_s, profile.link_beta_s, profile.round_work_s) == (1e-4, 1.6e-7, 0.004)
+    assert profile.local_s == pytest.approx(0.1 + 0.001 + 0.002 + 0.004)
+    assert Profile.from_row(row("identity", "allreduce", 4, 1e8, 1e6)).launched is None  # an uncounted run
+    assert Profile.from_row({**row("identity", "allreduce", 1, None, 1e6), **COUNTED}).launched is None
+
+
+def test_model_error_prices_a_run_on_its_probed_link():
+    counted = {**row("powersgd", "allreduce", 4, 1e8, 1e6, step_s=0.3), **COUNTED,
+               "link": {"alpha_s": 1e-4, "beta_s": 1.6e-7}}  # the path ran at 50 Mbit/s, 100 us per message
+    (err,) = model_error([Profile.from_row(counted)])
+    # all-reduces 2 * 6 * 1e-4 + 1e6 * 1.5 * 1.6e-7; all-gather 3 * 1e-4 + 1e4 * 3 * 1.6e-7
+    comm = 1.2e-3 + 0.24 + 3e-4 + 4.8e-3
+    assert err["predicted_comm_s"] == pytest.approx(comm)
+    assert err["predicted_s"] == pytest.approx(0.107 + comm)
+    assert err["measured_comm_s"] == pytest.approx(0.3 - 0.107)
+    assert err["rel_error"] == pytest.approx((0.107 + comm - 0.3) / 0.3)
+    assert err["bandwidth"] == "100mbit" and err["link_mbit"] == pytest.approx(50.0)
+    assert err["link_alpha_us"] == pytest.approx(100.0)
+    assert error_by_method([err, {**err, "rel_error": 0.01}]) == {"powersgd": err["rel_error"]}
+
+
+def test_link_from_two_timed_allreduces():
+    # P=4: 2*3 = 6 messages and 1.5x the bytes. beta = (0.1203 - 0.0003) / (1.5 * 1e6) = 8e-8;
+    # alpha = (0.0003 - 1.5 * 8 * 8e-8) / 6
+    link = link_from_timings(0.0003, 0.1203, 4, small_bytes=8, large_bytes=1_000_008)
+    assert link["beta_s"] == pytest.approx(8e-8)
+    assert link["alpha_s"] == pytest.approx((0.0003 - 9.6e-7) / 6)
+    assert link_from_timings(0.0003, 0.1203, 1) == {"alpha_s": None, "beta_s": None}
+
+
+def test_main_prints_the_error_column_and_states_it_beside_the_projection(tmp_path, capsys):
+    results = tmp_path / "results.json"
+    link = {"alpha_s": 1e-4, "beta_s": 8e-8}
+    write_results(results, [{**row("identity", "allreduce", 4, 1e8, 1e6, step_s=0.25), **COUNTED, "link": link},
+                            {**row("identity", "allreduce", 2, 1e8, 1e6, step_s=0.2), **COUNTED,
+                             "link": {**link, "alpha_s": 3e-4}}])
+    assert main(["--results", str(results), "--workers", "1024", "--bandwidth", "100gbit",
+                 "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "| error % |" in printed and "largest" in printed
+    written = json.loads((tmp_path / "simulate.json").read_text())
+    errors = {e["workers"]: e["rel_error"] for e in written["model_error"]}
+    worst = errors[4] if abs(errors[4]) > abs(errors[2]) else errors[2]
+    (projected,) = written["rows"]
+    assert projected["model_error"] == pytest.approx(worst)
+    assert projected["workers"] == 1024 and projected["bandwidth"] == "100gbit"
+    # the projection's latency: the median of the two probed ones
+    assert written["settings"]["alpha_s"] == pytest.approx(2e-4) and projected["alpha_s"] == pytest.approx(2e-4)
+    main(["--results", str(results), "--workers", "8", "--alpha-us", "5", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "simulate.json").read_text())["settings"]["alpha_s"] == pytest.approx(5e-6)
+
+
+def test_the_measured_wait_for_peers_is_in_the_checked_step_not_in_the_projection():
+    waited = {**row("identity", "allreduce", 4, 1e8, 1e6, step_s=0.25), **COUNTED,
+              "link": {"alpha_s": 50e-6, "beta_s": 8e-8}, "wait_s_per_step": 0.02}
+    profile = Profile.from_row(waited)
+    assert profile.wait_s == 0.02
+    (err,) = model_error([profile])
+    comm = launched_s(profile.launched, 4, MBIT100)
+    assert err["predicted_s"] == pytest.approx(profile.local_s + 0.02 + comm)
+    assert err["measured_comm_s"] == pytest.approx(0.25 - profile.local_s - 0.02)
+    (projected,) = project([profile], [4], [MBIT100])
+    assert projected["step_s"] == pytest.approx(profile.local_s + comm)
+
+
+def test_model_error_takes_the_latency_the_runs_rounds_met():
+    base = {**row("identity", "allreduce", 4, 1e8, 1e6, step_s=0.25), **COUNTED,
+            "link": {"alpha_s": 1e-4, "beta_s": 8e-8}}
+    idle, loaded = model_error([Profile.from_row(base), Profile.from_row({**base, "alpha_loaded_s": 1e-3})])
+    # the same bytes; the 2 all-reduces (6 messages each) and the all-gather (3) at 1e-3 instead of 1e-4
+    assert loaded["predicted_comm_s"] - idle["predicted_comm_s"] == pytest.approx(15 * (1e-3 - 1e-4))
+    assert loaded["link_alpha_us"] == pytest.approx(1000.0)
