@@ -73,7 +73,9 @@ def measure_throughput_bps(network: ShapedNetwork, sender: int, receiver: int, n
     return int(received) * 8 / float(elapsed)
 
 
-PROBE_SMALL_BYTES = 8  # one int64: a scale or flag round is this small
+# 128 int64: small, yet an entry for every rank's chunk of a ring up to 128 ranks; a one-entry all-reduce
+# leaves most chunks empty and read a far lower alpha than the rounds of a run met (8 ranks: 60 us against ~1 ms)
+PROBE_SMALL_BYTES = 1024
 PROBE_LARGE_BYTES = 1 << 20  # large enough that the bytes, not the messages, dominate at 100 Gbit/s too
 PROBE_REPEATS = (15, 3)  # small, large: the fastest of this many, after one untimed warm-up of each
 
