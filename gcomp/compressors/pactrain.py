@@ -31,6 +31,7 @@ class _Ctx:
     track: BucketTrack
     bucket: torch.Tensor  # the gradient buffer the result is written into
     exponents: torch.Tensor | None = None  # one round: the shared scale's grid exponents used to encode
+    scale: torch.Tensor | None = None  # and that scale
 
 
 class PacTrainCompressor(ChainedCompressor):
@@ -121,7 +122,11 @@ class PacTrainCompressor(ChainedCompressor):
             lanes = torch.empty(bitpack.packed_words(support.kept, bits), dtype=torch.int64, device=tensor.device)
             return Payload([scales, lanes], _Ctx(TERNARY, track, tensor), ops=(MAX, SUM))
         self._count("one_round_buckets")
-        return Payload([self.one_round_lanes(track, scales, exponents)], _Ctx(ONE_ROUND, track, tensor, exponents))
+        shared = track.buffers.get("scale")
+        if shared is None:  # exponents restored from a checkpoint
+            shared = track.buffers["scale"] = scale_grid.grid_scale(exponents)
+        return Payload([self.one_round_lanes(track, scales, exponents, shared)],
+                       _Ctx(ONE_ROUND, track, tensor, exponents, shared))
 
     def chained(self, payload: Payload) -> bool:
         return payload.ctx.mode == TERNARY
@@ -133,6 +138,7 @@ class PacTrainCompressor(ChainedCompressor):
         if pending is not None and bool(read_host_flag(pending)):
             self._count("scale_resyncs")
             track.buffers.pop("exponents", None)
+            track.buffers.pop("scale", None)
         return track.buffers.get("exponents") if self.rounds == 1 else None
 
     def _ternary_buffers(self, track: BucketTrack, like: torch.Tensor) -> dict:
@@ -185,11 +191,12 @@ class PacTrainCompressor(ChainedCompressor):
         codes = self.draw_codes(payload.ctx.track, payload.tensors[0][:-2])
         payload.tensors[1] = bitpack.pack(codes, bitpack.lane_bits(self.world_size))
 
-    def one_round_lanes(self, track: BucketTrack, scales: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
-        """The one all-reduce's int64 tensor: the codes drawn against the carried scale, the counting lanes
-        of this rank's largest values, and the 3 counts (see the class docstring)."""
+    def one_round_lanes(self, track: BucketTrack, scales: torch.Tensor, exponents: torch.Tensor,
+                        shared: torch.Tensor) -> torch.Tensor:
+        """The one all-reduce's int64 tensor: the codes drawn against the carried scale ``shared`` (of grid
+        ``exponents``), the counting lanes of this rank's largest values, and the 3 counts (see the class
+        docstring)."""
         local = scales[:-2]
-        shared = scale_grid.grid_scale(exponents)
         codes = self.draw_codes(track, shared)
         if not self.error_feedback and self.clip == 0:
             over = local > shared  # some value above the carried scale went as +-scale: its excess is carried
@@ -256,19 +263,24 @@ class PacTrainCompressor(ChainedCompressor):
             MaskTracker.receive_changed(track, scales[-2:-1])
             nonfinite, shared = scales[-1], scales[:-2]
             # the next step's scale, if it goes in one round: the exact shared max, on the grid
-            track.buffers["exponents"] = scale_grid.grid_exponent(shared)
+            self._carry_scale(track, scale_grid.grid_exponent(shared))
         else:
             lanes, = tensors
             MaskTracker.receive_changed(track, lanes[-2:-1])
             words = bitpack.packed_words(support.kept, bitpack.lane_bits(self.world_size))
-            nonfinite, shared = lanes[-3], scale_grid.grid_scale(ctx.exponents)
-            track.buffers["exponents"] = scale_grid.next_exponent(lanes[words:-_FLAGS], ctx.exponents, self.world_size)
+            nonfinite, shared = lanes[-3], ctx.scale
+            self._carry_scale(track, scale_grid.next_exponent(lanes[words:-_FLAGS], ctx.exponents, self.world_size))
             track.buffers["resync"] = host_flag(lanes[-1:] > 0)
             lanes = lanes[:words]
         values, dtype = self.decode_values(track, shared, nonfinite, lanes), ctx.bucket.dtype
         if dtype != torch.float32:
             values = self._narrow(track.buffers["draws"], dtype, support.kept).copy_(values)
         return support.scatter(values, ctx.bucket)
+
+    @staticmethod
+    def _carry_scale(track: BucketTrack, exponents: torch.Tensor) -> None:
+        """Keep the next step's shared scale (its grid exponents, and the scale itself)."""
+        track.buffers["exponents"], track.buffers["scale"] = exponents, scale_grid.grid_scale(exponents)
 
     @staticmethod
     def _narrow(buffer: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
