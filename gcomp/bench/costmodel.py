@@ -5,8 +5,9 @@ optimizer; encode and decode; ``round_work_s``, the codec's work between its rou
 communicator launched (``gcomp.collectives.counting``: all-reduces and all-gathers with their bytes,
 point-to-point rounds with their bytes, sequential rounds). Its workers also probe the path they run on
 (``gcomp.bench.throughput``): the latency per message ``alpha`` and the seconds per byte ``beta`` from two
-timed gloo all-reduces; and they record ``wait_s``, how long rank 0 waited each step for its slowest peer to
-be ready to communicate (``gcomp.bench.straggler``).
+timed gloo all-reduces, and ``alpha`` again right after a step's local work (the latency a step's rounds
+meet on a busy machine, which ``model_error`` prices the run with); and they record ``wait_s``, how long
+rank 0 waited each step for its slowest peer to be ready to communicate (``gcomp.bench.straggler``).
 
 Predicted step = compute + encode + decode + round work + wait + communication, where communication prices
 every counted collective with ``alpha`` and ``beta`` (``launched_s``; ``P`` ranks, ``n`` bytes):
