@@ -8,12 +8,50 @@ import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
-from gcomp.compressors.quantise import (RankGenerator, Scratch, SeededState, add_scaled_, draw_units,
-                                        rank_and_world, segment_lengths, segment_scales, wire_scale, work_dtype)
+from gcomp.compressors import bernoulli
+from gcomp.compressors.quantise import (RankGenerator, Scratch, SeededState, per_segment_, rank_and_world,
+                                        segment_lengths, segment_scales, wire_scale, work_dtype)
 from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, Compressor, Method, Payload
 from gcomp.memory import NoMemory
 from gcomp.params import OneOf, Range
 from gcomp.registry import register
+
+_CHUNK_BYTES = 1 << 16  # the table decode converts byte indices this many at a time (a small, reused buffer)
+# Times the int32 of 4 codes (one byte each, at most 3), this puts code j at bit 24 + 2 j and nothing else in
+# the top byte: code j meets the constant's byte j' at bit 8 j + 24 - 6 j'; the terms below bit 24 sum to less
+# than 2^24 (no carry), those past bit 31 wrap away.
+_GATHER_CODES = 0x01041040
+
+
+def pack_codes_(codes: torch.Tensor) -> torch.Tensor:
+    """``bitpack.pack(codes, 2)`` of a flat uint8 tensor of values in {0, 1, 2, 3} whose length is a multiple
+    of 32 (whole words), overwritten (scratch): one int32 multiply and shift per 4 codes. Little-endian only."""
+    lanes = codes.view(torch.int32)
+    packed = torch.empty(lanes.numel(), dtype=torch.uint8, device=codes.device)
+    return packed.copy_(lanes.mul_(_GATHER_CODES).bitwise_right_shift_(24)).view(torch.int64)
+
+
+def code_table(device) -> torch.Tensor:
+    """``(256, 4)`` fp32: entry ``[v, j]`` is ``t = code - 1`` of the 2-bit field j of the byte v."""
+    fields = torch.arange(256, device=device)[:, None].bitwise_right_shift(2 * torch.arange(4, device=device))
+    return fields.bitwise_and_(3).sub_(1).to(torch.float32)
+
+
+def unpack_codes(words: torch.Tensor, n: int, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The ``n`` 2-bit fields of ``words`` decoded through ``table`` (``code_table``) into ``out`` (flat, of
+    the table's dtype): each byte of the words gives 4 values in one row gather. Little-endian only."""
+    source = words.contiguous().view(torch.uint8)
+    whole = n // 4
+    index = torch.empty(min(_CHUNK_BYTES, whole + 1), dtype=torch.int32, device=words.device)
+    for start in range(0, whole, _CHUNK_BYTES):  # a loop over chunks, not entries
+        stop = min(start + _CHUNK_BYTES, whole)
+        torch.index_select(table, 0, index[:stop - start].copy_(source[start:stop]),
+                           out=out[start * 4:stop * 4].view(-1, 4))
+    if n > whole * 4:
+        last = index[:1].copy_(source[whole:whole + 1])
+        out[whole * 4:n].copy_(torch.index_select(table, 0, last)[0, :n - whole * 4])
+    return out[:n]
+
 
 @dataclass
 class _Ctx:
@@ -34,10 +72,13 @@ class TernGradCompressor(SeededState, Compressor):
     bucket, as an all-reduce would) and returns it; ``decompress`` returns a new tensor. A non-finite entry
     makes its scale non-finite, and so every entry of its parameter on every rank.
 
-    The draw is ``t + 1 = floor(g / s + w)`` with ``w`` uniform on [1, 2) (``quantise.add_scaled_``), clamped
-    to {0, 1, 2} where clipping puts ``|g| / s`` past 1. Memory: per bucket layout, one draws buffer of the
-    bucket's fp32 size (also the decode's work space), one of a byte per entry for the codes, and for 16-bit
-    buckets the fp32 entries; nothing of the bucket's size is allocated per step but ``decompress``'s result.
+    The hit ``t != 0`` is an exact Bernoulli draw from one random byte per entry (``bernoulli.draw_hits``);
+    the codes are packed 4 per int32 multiply (``pack_codes_``) and decoded through a byte table (4 values of
+    ``t`` per row gather, ``unpack_codes``), then scaled per parameter. Memory: per bucket layout, one draws
+    buffer of the bucket's work-dtype size (the probabilities, also the decode's work space), one fp32 buffer
+    of the bucket's size for ``draw_hits``, a byte per entry for the codes, the hits and ``draw_hits``' ties and
+    random bytes, and for 16-bit buckets the fp32 entries; nothing of the bucket's size is allocated per step
+    but ``decompress``'s result.
     """
 
     collective = ALLGATHER
@@ -47,6 +88,7 @@ class TernGradCompressor(SeededState, Compressor):
         self.random = RankGenerator(seed, "terngrad")
         self.world_size = 1
         self.scratch = Scratch()
+        self._bernoulli: dict[str, dict] = {}  # per bucket layout: draw_hits' byte and tie buffers
 
     def bind(self, model, group, stats) -> None:
         rank, self.world_size = rank_and_world(group)
@@ -69,24 +111,36 @@ class TernGradCompressor(SeededState, Compressor):
     def draw_codes(self, values: torch.Tensor, scales: torch.Tensor, lengths: tuple[int, ...],
                    key: str = "") -> torch.Tensor:
         """``t + 1`` in {0, 1, 2} as uint8, with ``P(t = sign value) = min(1, |value| / scale)``, followed by
-        zeros up to whole 2-bit words. A zero scale gives ``t = 0``; an entry whose ``value / scale`` is NaN (a
-        non-finite entry or scale) gets some code in {0, 1, 2}: its scale decodes it as non-finite anyway."""
+        zeros up to whole 2-bit words. A zero scale gives ``t = 0``; so does an entry whose ``value / scale``
+        is NaN (a non-finite entry or scale: its scale decodes it as non-finite anyway).
+
+        The hit ``t != 0`` is an exact Bernoulli draw from one random byte per entry (``bernoulli.draw_hits``
+        against ``256 |value| / scale``; the scale divided by 256 is exact)."""
         n, work, device = values.numel(), values.dtype, values.device
-        draws = draw_units(self.work_space(key, n, work, device), n, work, self.random(device))
-        # a zero scale divides by inf instead: 0 / inf = 0, so t = 0 (the scale decodes every code to 0)
-        divisors = torch.where(scales > 0, scales, torch.inf).to(work)
-        add_scaled_(draws, values, divisors, lengths, divide=True).clamp_(0.0, 2.0)  # floor(g / s + w)
+        prob = self.work_space(key, n, work, device).view(work)[:n]
+        torch.abs(values, out=prob)
+        # a zero scale divides by inf instead: 0 / inf = 0, never a hit, so t = 0
+        divisors = torch.where(scales > 0, scales / bernoulli.SCALE, torch.inf).to(work)
+        per_segment_(prob, divisors, lengths, torch.Tensor.div_)
+        hit = self.scratch.get(key, "hit", n, torch.bool, device)
+        uniform = self.scratch.get(key, "uniform", n, torch.float32, device)
+        work_buffers = self._bernoulli.setdefault(key, {})
+        work_buffers["draws"] = uniform
+        bernoulli.draw_hits(hit, prob, self.random(device), work_buffers)
         padded = bitpack.packed_words(n, 2) * 32
         codes = self.scratch.get(key, "codes", padded, torch.uint8, device)
         codes[n:].zero_()
-        codes[:n].copy_(draws)  # truncation: the floor of values in [0, 2]
-        return codes.clamp_(max=2)  # NaN converts to an undefined byte: keep the neighbours' fields intact
+        # t + 1 = (2 * (value > 0) - 1) * hit + 1, in {0, 1, 2} (uint8: -1 is 255, and 255 + 1 wraps to 0)
+        torch.gt(values, 0, out=codes[:n].view(torch.bool))
+        codes[:n].mul_(2).sub_(1).mul_(hit.view(torch.uint8)).add_(1)
+        return codes
 
     def compress(self, tensor, bucket):
         values = self.work_values(tensor, bucket.key)
         n, lengths = values.numel(), segment_lengths(bucket, values.numel())
         scales = wire_scale(segment_scales(values, lengths, self.clip))
-        words = bitpack.pack(self.draw_codes(values, scales, lengths, bucket.key), 2)
+        codes = self.draw_codes(values, scales, lengths, bucket.key)
+        words = pack_codes_(codes) if bitpack.little_endian() else bitpack.pack(codes, 2)
         return Payload([scales, words], _Ctx(n, tensor.dtype, lengths, bucket.key, tensor, values))
 
     def decompress(self, tensors, ctx: _Ctx):
@@ -103,7 +157,15 @@ class TernGradCompressor(SeededState, Compressor):
         work, n = work_dtype(ctx.dtype), ctx.n
         space = self.work_space(ctx.key, n, work, words.device).view(work)
         total = out if out.dtype == work else self.scratch.get(ctx.key, "sum", n, work, out.device)
+        table = code_table(words.device).to(work) if bitpack.little_endian() else None
         for rank in range(words.shape[0]):  # a loop over ranks, not entries
+            target = total if rank == 0 else space[:n]
+            if table is not None:  # t = code - 1 straight from the bytes, then times the scale
+                per_segment_(unpack_codes(words[rank], n, table, target), scales[rank].to(work), ctx.lengths,
+                             torch.Tensor.mul_)
+                if rank:
+                    total += target
+                continue
             codes = bitpack.unpack(words[rank], n, 2, dtype=work, out=space)
             scale = scales[rank].to(work)
             target = total if rank == 0 else codes

@@ -53,3 +53,17 @@ def test_same_stream_same_hits_and_buffers_reused(n, seed):
     held = {k: v.data_ptr() for k, v in work.items()}
     assert torch.equal(_hits(p, seed, work), first)
     assert {k: v.data_ptr() for k, v in work.items()} == held
+
+
+def test_sparse_nonzero_equals_nonzero_and_gives_way_past_its_limit():
+    from gcomp.compressors.bernoulli import sparse_nonzero
+    g = torch.Generator().manual_seed(9)
+    for n in (0, 1, 7, 8, 9, 1000, 4099):
+        for density in (0.0, 0.004, 0.3, 1.0):
+            flags = torch.rand(n, generator=g) < density
+            for view in (flags, flags.view(torch.uint8)):
+                assert torch.equal(sparse_nonzero(view), view.nonzero().reshape(-1))
+            if n >= 8:  # an offset view: not on a word boundary
+                assert torch.equal(sparse_nonzero(flags[1:]), flags[1:].nonzero().reshape(-1))
+    many = torch.ones(64, dtype=torch.bool)
+    assert sparse_nonzero(many, most=7) is None and sparse_nonzero(many, most=8).numel() == 64

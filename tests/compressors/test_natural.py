@@ -2,6 +2,8 @@
 values), unbiasedness (Monte Carlo), and a 4-rank convergence smoke test."""
 from __future__ import annotations
 
+import math
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -95,3 +97,56 @@ def test_natural_lowers_the_loss_on_four_ranks():
     # Dense DDP ends at about 0.36 of its initial loss (bound 0.45). Natural compression's relative variance is
     # at most 1/8 per entry; it measured 0.36 too, so the same bound as dense.
     assert_converges([(None, {}), ("natural", {})], [0.45, 0.45])
+
+
+def _reference_exponents(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The CPU rounding re-derived from the same stream: a random byte ``w`` per entry (``ceil(n / 64)`` int64
+    words, eight bytes each), the mantissa's top byte ``t`` carries when ``t + w >= 256``; where ``t + w = 255``
+    a 15-bit draw ``v`` carries when ``low 15 bits + v >= 2^15``."""
+    n = x.numel()
+    bits = x.view(torch.int32).long()
+    words = torch.empty(-(-n // 64) * 8, dtype=torch.int64).random_(-2**63, None, generator=generator)
+    w = words.view(torch.uint8)[:n].long()
+    top, low, exponent = (bits >> 15) & 255, bits & (2**15 - 1), (bits >> 23) & 255
+    carry = (top + w >= 256).long()
+    tie = top + w == 255
+    v = torch.randint(0, 2**15, (int(tie.sum()),), generator=generator, dtype=torch.int32).long()
+    carry[tie] = (low[tie] + v >= 2**15).long()
+    return (exponent + carry) & 255
+
+
+def test_cpu_draws_take_one_random_byte_per_entry_and_refine_the_ties():
+    """The exponents equal the byte-per-entry reference drawn from the compressor's own stream, and the
+    stream is left where the reference leaves it (ceil(n / 64) words plus one 15-bit draw per tie)."""
+    x = _wide(5000, torch.float32, 11).abs()
+    comp = NaturalCompressor(seed=4)
+    reference = torch.Generator().set_state(comp.random("cpu").get_state())
+    p = comp.compress(x, BucketInfo.single(x))
+    expected = _reference_exponents(x, reference)
+    assert torch.equal(p.tensors[0].long(), expected)
+    assert torch.equal(comp.random("cpu").get_state(), reference.get_state())
+
+
+def test_the_low_mantissa_bits_round_up_through_the_ties():
+    """1 + 2^-9 (top mantissa byte 0, low bits 2^14) rounds up with probability 2^-9 only through the 1-in-256
+    ties; 1 + 255/256 + (2^15 - 1) / 2^23 with probability 1 - 2^-23; 1.5 with 1/2: counts within 6 sigma."""
+    n = 1 << 20
+    for value, p in ((1 + 2.0**-9, 2.0**-9), (2 - 2.0**-23, 1 - 2.0**-23), (1.5, 0.5)):
+        x = torch.full((n,), value)
+        comp = NaturalCompressor(seed=2)
+        payload = comp.compress(x, BucketInfo.single(x))
+        ups = int((payload.tensors[0] == 128).sum())
+        assert int((payload.tensors[0] == 127).sum()) + ups == n
+        assert abs(ups - n * p) <= 6 * math.sqrt(n * p * (1 - p)) + 1, (value, ups, n * p)
+
+
+def test_nan_codes_decode_as_nan_whether_few_or_many():
+    """NaN codes written where they are (few) or by the dense fallback (more than one word in 256 holds one)."""
+    g = torch.Generator().manual_seed(1)
+    for density in (0.001, 0.05, 1.0):
+        x = torch.randn(40_000, generator=g)
+        x[torch.rand(x.numel(), generator=g) < density] = torch.nan
+        comp = NaturalCompressor()
+        p = comp.compress(x, BucketInfo.single(x))
+        out = comp.decompress(p.tensors, p.ctx)
+        assert torch.equal(out.isnan(), x.isnan())

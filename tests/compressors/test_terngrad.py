@@ -342,11 +342,44 @@ def test_work_buffers_are_kept_per_layout_and_the_hook_decode_writes_into_the_bu
     info = layout([300, 20], torch.float32)
     first = comp.compress(x.clone(), info)
     kept = {name: b.data_ptr() for name, b in comp.scratch._buffers.items()}
-    assert {name for _, name in kept} == {"draws", "codes"}
+    assert {name for _, name in kept} == {"draws", "codes", "hit", "uniform"}
+    held = {name: b.data_ptr() for name, b in comp._bernoulli[info.key].items()}  # draw_hits' bytes and ties
     bucket = x.clone()
     second = comp.compress(bucket, info)
     assert {name: b.data_ptr() for name, b in comp.scratch._buffers.items()} == kept
+    assert {name: b.data_ptr() for name, b in comp._bernoulli[info.key].items()} == held
     alone = comp.decompress(second.tensors, second.ctx)
     assert alone.data_ptr() != bucket.data_ptr() and not torch.equal(first.tensors[1], second.tensors[1])
     total = comp.aggregate([t.unsqueeze(0) for t in second.tensors], second.ctx)
     assert total.data_ptr() == bucket.data_ptr() and torch.equal(total, alone)
+
+
+@PROPERTY
+@given(words=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_pack_codes_and_the_table_decode_match_bitpack(words, seed):
+    from gcomp.compressors.terngrad import code_table, pack_codes_, unpack_codes
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 4, (words * 32,), generator=g, dtype=torch.uint8)
+    expected = bitpack.pack(codes, 2)
+    assert torch.equal(pack_codes_(codes.clone()), expected)
+    n = words * 32 - int(torch.randint(0, 32, (1,), generator=g))
+    decoded = unpack_codes(expected, n, code_table("cpu"), torch.empty(words * 32))
+    assert torch.equal(decoded, bitpack.unpack(expected, n, 2, dtype=torch.float32) - 1)
+
+
+def test_codes_are_bernoulli_hits_drawn_a_byte_per_entry_from_the_own_stream():
+    """The codes equal ``bernoulli.draw_hits`` against ``256 |g| / scale`` on a copy of the compressor's stream
+    (one random byte per entry), signed by g; the stream is left where that draw leaves it."""
+    from gcomp.compressors import bernoulli
+    sizes = [3000, 17, 1]
+    info, x = layout(sizes, torch.float32), gradient(sizes, torch.float32, seed=6)
+    comp = TernGradCompressor(clip=2.5, seed=2)
+    reference = torch.Generator().set_state(comp.random("cpu").get_state())
+    p = comp.compress(x, info)
+    scales = p.tensors[0]
+    prob = torch.cat([v.abs() / s * 256 for v, s in zip(segment_views(x, sizes), scales)])
+    hit = torch.empty(x.numel(), dtype=torch.bool)
+    bernoulli.draw_hits(hit, prob, reference, {})
+    expected = torch.where(hit, torch.where(x > 0, 2, 0), 1)
+    assert torch.equal(bitpack.unpack(p.tensors[1], x.numel(), 2), expected)
+    assert torch.equal(comp.random("cpu").get_state(), reference.get_state())
