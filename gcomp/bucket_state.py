@@ -48,6 +48,14 @@ class BucketState:
         """Keep ``tensors`` (every slot, laid out like ``bucket``; taken over, not copied) for the layout."""
         self._live[bucket.key] = (bucket, tensors)
 
+    def has(self, bucket: BucketInfo) -> bool:
+        """True when ``bucket``'s layout holds its slots now (``find`` will not rebuild them)."""
+        return bucket.key in self._live
+
+    def entry(self, key: str) -> tuple[BucketInfo, dict[str, torch.Tensor]]:
+        """The layout with key ``key`` (``BucketInfo.key``) that holds its slots now, and the slots."""
+        return self._live[key]
+
     def _adopt(self, bucket: BucketInfo, like: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors = {}
         for slot in self.slots:
@@ -109,10 +117,11 @@ class KeptInBucketState:
         return {slot: state[slot] for slot in self._state.slots}
 
 
-def _unshared(t: torch.Tensor) -> bool:
-    """True when no tensor but ``t`` uses ``t``'s storage (no view of it, nothing handed out is alive)."""
+def _unshared(t: torch.Tensor, others: int = 0) -> bool:
+    """True when no tensor but ``t`` (and ``others`` more known ones) uses ``t``'s storage (no view of it,
+    nothing handed out is alive)."""
     # two references: ``t`` itself and the temporary storage object asked here
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2 + others
 
 
 class Scratch:
@@ -151,3 +160,18 @@ class Scratch:
         if len(kept) < self.slots:
             kept.append(base)
         return base.view(numel)
+
+    def keeps(self, bucket: BucketInfo, t: torch.Tensor) -> bool:
+        """True when ``t`` is (a view of) one of the buffers kept for ``bucket``'s layout."""
+        entry = self._kept.get(bucket.key)
+        return entry is not None and any(_same_storage(base, t) for base in entry[1])
+
+    def alone(self, t: torch.Tensor) -> bool:
+        """True when nothing but ``t`` uses its storage, besides this scratch keeping it: ``t`` may be written
+        over without changing a tensor someone else holds."""
+        kept = any(_same_storage(base, t) for _, bases in self._kept.values() for base in bases)
+        return _unshared(t, others=1 if kept else 0)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

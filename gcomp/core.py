@@ -12,10 +12,10 @@ The hook divides the bucket by the world size before (as PyTorch's own hooks do)
 that follows is already the mean.
 
 Who calls what, and nothing else: ``Method.reduce`` calls the parts in that order; ``Memory.update`` calls
-``Compressor.residual_into`` and, where that declines, ``Compressor.decompress``; a ``Communicator`` calls the
-collectives and the compressor methods declared here or on the codec base class it takes by type
-(``ChainedCompressor.second_round`` in ``gcomp.collectives.chained``, ``ScheduledCompressor.program`` in
-``gcomp.collectives.scheduled``). Statistics reach a communicator as an
+``Compressor.sent_positions``, ``Compressor.residual_into`` and, where those decline, ``Compressor.decompress``;
+a ``Communicator`` calls the collectives and the compressor methods declared here or on the codec base class it
+takes by type (``ChainedCompressor.second_round`` in ``gcomp.collectives.chained``,
+``ScheduledCompressor.program`` in ``gcomp.collectives.scheduled``). Statistics reach a communicator as an
 argument; a compressor gets the same dict once, in ``bind``, for its own ``stat_keys``.
 """
 from __future__ import annotations
@@ -219,6 +219,13 @@ class Compressor(_Checkpointed, ABC):
         nothing and returns False: the memory then decompresses the payload and subtracts it."""
         return False
 
+    def sent_positions(self, payload: Payload) -> torch.Tensor | None:
+        """Optional fastest path of ``Memory.update``: distinct positions (1-d, on the bucket's device) where
+        ``decompress(payload)`` is the compressed bucket exactly, it being 0 elsewhere; only when that bucket is
+        all finite and knowing so costs no device synchronisation. The memory may then keep the compressed
+        bucket itself as the residual, those positions read as 0. The default: None, no such positions."""
+        return None
+
     def aggregate(self, gathered: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
         """Sum over ranks of the decoded payloads (``allgather`` codecs).
 
@@ -237,7 +244,8 @@ class Memory(_Checkpointed, ABC):
 
     Contract (conservation, exact): after ``v = compensate(g, b)``, ``p = compressor.compress(v, b)`` and
     ``update(v, b, compressor, p)``, the decoded payload plus the new residual equals ``v``, which is ``g``
-    plus the old residual.
+    plus the old residual. ``update`` may keep ``v`` (a buffer its ``compensate`` handed out) as the residual:
+    the caller may read ``v`` afterwards, never write it.
     """
 
     stateful: ClassVar[bool] = False

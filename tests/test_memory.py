@@ -4,10 +4,13 @@ does not depend on how DDP grouped them. ``topk`` is the codec that leaves resid
 error-feedback method is in tests/test_contracts.py."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from gcomp import BucketInfo, NoMemory, ResidualMemory
+from gcomp.compressors.randomk import RandomKCompressor
 from gcomp.compressors.topk import TopKCompressor
 
 
@@ -146,3 +149,105 @@ def test_residual_into_leaves_exactly_what_decoding_leaves(dtype):
             memory.update(v, info, c, c.compress(v, info))
         a, b = (m.compensate(torch.zeros_like(grad), info) for m in (fast, slow))
         assert torch.equal(a, b) and a.isfinite().all(), f"step {step}"
+
+
+# --- the compensated bucket kept as the residual (``Compressor.sent_positions``: randomk on a CPU) -----------------
+
+
+class _Counting(RandomKCompressor):
+    """randomk counting the memory's calls of its slower update paths."""
+
+    def __init__(self, ratio, seed=0):
+        super().__init__(ratio, seed)
+        self.calls = {"residual_into": 0, "decompress": 0}
+
+    def residual_into(self, out, tensor, payload):
+        self.calls["residual_into"] += 1
+        return super().residual_into(out, tensor, payload)
+
+    def decompress(self, tensors, ctx):
+        self.calls["decompress"] += 1
+        return super().decompress(tensors, ctx)
+
+
+def _step(memory, comp, grad, info):
+    v = memory.compensate(grad, info)
+    payload = comp.compress(v, info)
+    memory.update(v, info, comp, payload)
+    return v, payload
+
+
+def _residual(memory, info, dtype=torch.float32):
+    return copy.deepcopy(memory).compensate(torch.zeros(info.numel, dtype=dtype), info)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_a_finite_bucket_leaves_its_compensated_buffer_as_the_residual_with_no_pass(dtype):
+    """No residual_into, no decode: the two kept buffers take the residual and the next sum in turn, and
+    conservation stays exact: decoded payload + new residual == v, v unchanged by the update."""
+    memory, comp = ResidualMemory(), _Counting(0.1)
+    info = BucketInfo.from_layout(0, dtype, ["a", "b"], [300, 57])
+    g = torch.Generator().manual_seed(2)
+    _step(memory, comp, torch.randn(info.numel, generator=g).to(dtype), info)  # the first: no residual yet
+    pointers = []
+    for step in range(6):
+        grad = torch.randn(info.numel, generator=g, dtype=torch.float64).to(dtype)
+        old = _residual(memory, info, dtype)
+        v, payload = _step(memory, comp, grad, info)
+        before = v.clone()
+        assert torch.equal(v, grad + old), step
+        new = _residual(memory, info, dtype)
+        assert torch.equal(comp.decompress(payload.tensors, payload.ctx) + new, v) and torch.equal(v, before)
+        assert new[payload.ctx[1]].count_nonzero() == 0 and new.count_nonzero() > 0.8 * info.numel
+        pointers.append(v.data_ptr())
+        del v
+    assert comp.calls == {"residual_into": 1, "decompress": 6}  # the first step's update; the checks' decodes
+    assert len(set(pointers)) == 2 and pointers[0::2] == [pointers[0]] * 3  # two buffers, in turn
+
+
+def test_a_held_compensated_bucket_is_never_written_by_later_steps_checkpoints_or_layouts():
+    """v handed out, kept as the residual, and still held by the caller: a second compensate, a non-finite
+    step (the residual written over: into a fresh tensor, v is held), a checkpoint and a new layout all leave it
+    as it was, and each of them sees the residual with the sent entries at zero."""
+    memory, comp = ResidualMemory(), RandomKCompressor(0.1)
+    info = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [300, 57])
+    g = torch.Generator().manual_seed(5)
+    _step(memory, comp, torch.randn(info.numel, generator=g), info)
+    v, payload = _step(memory, comp, torch.randn(info.numel, generator=g), info)
+    held, sent = v.clone(), comp.decompress(payload.tensors, payload.ctx)
+    residual = v - sent
+    grad = torch.randn(info.numel, generator=g)
+    a, b = memory.compensate(grad, info), memory.compensate(grad, info)  # twice: both the gradient + residual
+    assert torch.equal(a, grad + residual) and torch.equal(b, grad + residual) and torch.equal(v, held)
+    del a, b
+
+    state = memory.state_dict()["residuals"]  # per parameter, the zeros written in
+    assert torch.equal(torch.cat([state["a"], state["b"]]), residual) and torch.equal(v, held)
+
+    bad = torch.randn(info.numel, generator=g)
+    bad[3] = float("nan")
+    w, payload = _step(memory, comp, bad, info)  # not finite: the residual is written over, not v
+    assert comp.sent_positions(payload) is None and torch.equal(v, held)
+    after = _residual(memory, info)
+    expected = torch.nan_to_num(w - comp.decompress(payload.tensors, payload.ctx), nan=0.0, posinf=0.0,
+                                neginf=0.0)
+    assert torch.equal(after, expected) and after.isfinite().all()
+
+    u, payload = _step(memory, comp, torch.randn(info.numel, generator=g), info)  # finite again: u kept
+    kept = u - comp.decompress(payload.tensors, payload.ctx)
+    layout = BucketInfo.from_layout(0, torch.float32, ["b", "a"], [57, 300])  # DDP's rebuild
+    moved = memory.compensate(torch.zeros(layout.numel), layout)
+    assert torch.equal(moved, torch.cat([kept[300:], kept[:300]])) and torch.equal(v, held)
+
+
+def test_checkpointed_residuals_resume_with_the_sent_entries_at_zero():
+    memory, comp = ResidualMemory(), RandomKCompressor(0.2, 1)
+    info = BucketInfo.from_layout(0, torch.float32, ["a"], [200])
+    g = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        v, payload = _step(memory, comp, torch.randn(info.numel, generator=g), info)
+    expected = v - comp.decompress(payload.tensors, payload.ctx)
+    resumed = ResidualMemory()
+    resumed.load_state_dict(memory.state_dict())
+    assert torch.equal(resumed.compensate(torch.zeros(info.numel), info), expected)
+    assert torch.equal(memory.compensate(torch.zeros(info.numel), info), expected)

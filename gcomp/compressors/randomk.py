@@ -18,14 +18,18 @@ class RandomKCompressor(Compressor):
     """Sends the values of ``k = max(1, int(ratio * n))`` distinct entries, in the bucket's dtype, plus one
     non-finite flag entry, by SUM all-reduce: k + 1 elements, no indices.
 
-    The positions come from a generator seeded alike on every rank and advanced by every compressed bucket,
-    so all ranks pick the same k entries each step and the payloads add up element-wise. The flag is 0, or
-    NaN when the rank's bucket holds a NaN or an infinity; it is added to every sent entry on decode, so a
-    non-finite gradient on any rank surfaces on every rank even when its entry was not drawn.
+    The positions (ascending, ``uniform_subset``) come from a generator seeded alike on every rank and advanced
+    by every compressed bucket, so all ranks pick the same k entries each step and the payloads add up
+    element-wise. The flag is 0, or NaN when the rank's bucket holds a NaN or an infinity; it is added to every
+    sent entry on decode, so a non-finite gradient on any rank surfaces on every rank even when its entry was
+    not drawn.
 
-    Per step beyond the draw: one pass for the flag (min and max), and with error feedback one copy of the
-    compensated bucket into the residual (``residual_into``: the drawn entries subtracted, nothing decoded);
-    decoding clears and fills one of two buffers kept per bucket layout instead of a fresh zeroed bucket.
+    Per step beyond the draw: one pass for the flag (``all_finite``: a sum; min and max on a GPU). With error
+    feedback on a CPU and a finite bucket, ``sent_positions``: the memory keeps the compensated bucket as the
+    residual, the drawn entries read as 0, with no pass; otherwise (a GPU, where the flag stays on the device,
+    or a non-finite bucket) one copy of the compensated bucket into the residual (``residual_into``: the drawn
+    entries subtracted, non-finite entries dropped, nothing decoded). Decoding clears and fills one of two
+    buffers kept per bucket layout instead of a fresh zeroed bucket.
     """
 
     collective = ALLREDUCE
@@ -38,18 +42,21 @@ class RandomKCompressor(Compressor):
     def compress(self, tensor, bucket):
         n = tensor.numel()
         k = max(1, int(n * self.ratio))
+        flat = tensor.reshape(-1)
         index = uniform_subset(n, k, self.generator).to(tensor.device, non_blocking=True)
         wire = tensor.new_empty(k + 1)
-        torch.index_select(tensor, 0, index, out=wire[:k])
-        # min and max in one pass are finite exactly when every entry is (NaN propagates to both); far
-        # cheaper than isfinite(tensor).all(), which builds a bucket-sized mask
-        extremes = torch.stack(torch.aminmax(tensor))
-        wire[k] = torch.where(torch.isfinite(extremes).all(), 0.0, float("nan"))
-        return Payload([wire], ctx=(n, index, bucket))
+        torch.index_select(flat, 0, index, out=wire[:k])
+        if tensor.device.type == "cpu":  # known on the host at no cost: the memory may skip its pass
+            finite = all_finite(flat)
+            wire[k] = 0.0 if finite else float("nan")
+        else:  # no synchronisation: min and max (module ``all_finite``); the memory takes ``residual_into``
+            wire[k] = torch.where(torch.isfinite(torch.stack(torch.aminmax(flat))).all(), 0.0, float("nan"))
+            finite = False
+        return Payload([wire], ctx=(n, index, bucket, finite))
 
     def decompress(self, tensors, ctx):
         wire, = tensors
-        n, index, bucket = ctx
+        n, index, bucket, _ = ctx
         out = self._decoded.take(bucket, n, wire.dtype, wire.device) if bucket is not None else wire.new_empty(n)
         return out.zero_().index_copy_(0, index, self._sent(wire, index))
 
@@ -58,6 +65,11 @@ class RandomKCompressor(Compressor):
         """The values at ``index``: each plus the flag, 0, or NaN if any rank's bucket was not finite."""
         k = index.numel()
         return wire[:k] + wire[k]
+
+    def sent_positions(self, payload):
+        """The drawn positions when the bucket was finite (known on the host: on a CPU): there the decoded own
+        payload is the entry plus a zero flag, the entry itself; elsewhere 0."""
+        return payload.ctx[1] if payload.ctx[3] else None
 
     def residual_into(self, out, tensor, payload):
         """The compensated bucket less the (distinct) drawn entries, without decoding a bucket."""
@@ -82,21 +94,53 @@ class RandomKCompressor(Compressor):
         return every[0]
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """True when every entry of ``x`` is finite, in one cheap pass almost always: a finite sum means finite
+    entries (a NaN or an infinity makes every partial sum after it non-finite); only a non-finite sum, a
+    non-finite entry or an overflow of the sum, takes a second pass, by min and max (NaN propagates to
+    both; far cheaper than ``isfinite(x).all()``, which builds a bucket-sized mask)."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp16 and bf16 sums kept in fp32
+    if bool(torch.isfinite(x.sum(dtype=wide))):
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
+
+
 def uniform_subset(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
-    """``k`` distinct positions of ``range(n)``, every k-subset (and every order of it) equally likely, drawn
-    from ``generator``: the first ``k`` distinct values of a stream of uniform draws with replacement.
-    For a small ``k`` this sorts about ``k`` draws instead of permuting all ``n`` positions."""
+    """``k`` distinct positions of ``range(n)`` in ascending order, every k-subset equally likely, drawn from
+    ``generator`` (the same state, the same positions: what keeps ranks in step).
+
+    For ``4 k <= n`` the set is the first ``k`` distinct values of a stream of uniform draws with replacement
+    (any k-subset is equally likely to be that set, by symmetry), found without ordering the stream: the
+    first ``k`` draws are sorted (int32 below 2**31 positions) and deduplicated (about ``k^2 / 2n`` repeats),
+    then further draws top the set up with their first new values in stream order, a few hundred entries to
+    order, merged in by position. Returns int64.
+    Denser: the first ``k`` entries of a permutation of ``range(n)``, sorted."""
     if 4 * k > n:
-        return torch.randperm(n, generator=generator)[:k]
-    draws = torch.empty(0, dtype=torch.int64)
-    while True:  # rounds, not elements: one round almost always (about k^2 / 2n repeats against k / 8 spare)
-        draws = torch.cat([draws, torch.randint(n, (k + k // 8 + 16,), generator=generator)])
-        values, inverse = torch.unique(draws, return_inverse=True)
-        if values.numel() >= k:
-            break
-    first = torch.full((values.numel(),), draws.numel(), dtype=torch.int64)
-    first.scatter_reduce_(0, inverse, torch.arange(draws.numel()), "amin")
-    return values[first.argsort()[:k]]
+        return torch.randperm(n, generator=generator)[:k].sort().values
+    dtype = torch.int32 if n <= torch.iinfo(torch.int32).max else torch.int64  # int32 sorts in half the time
+    chosen = torch.unique_consecutive(torch.sort(torch.randint(n, (k,), generator=generator, dtype=dtype)).values)
+    while chosen.numel() < k:  # rounds, not elements: one almost always
+        need = k - chosen.numel()
+        # about need * n / (n - chosen) draws are new; an eighth more so that one round almost always does
+        more = torch.randint(n, (need * n // (n - chosen.numel()) * 9 // 8 + 16,), generator=generator,
+                             dtype=dtype)
+        at = torch.searchsorted(chosen, more).clamp_(max=chosen.numel() - 1)
+        fresh = more[chosen[at] != more]  # not drawn before this round, in stream order
+        values, inverse = torch.unique(fresh, return_inverse=True)
+        first = torch.full((values.numel(),), fresh.numel(), dtype=torch.int64)
+        first.scatter_reduce_(0, inverse, torch.arange(fresh.numel()), "amin")
+        if values.numel() > need:  # the ``need`` whose first draw came first, back in ascending order
+            values = values[first.argsort()[:need]].sort().values
+        chosen = _merge(chosen, values)
+    return chosen.long()
+
+
+def _merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The ascending union of the ascending, disjoint ``a`` and ``b`` (``b`` short): no sort of ``a``."""
+    out = torch.empty(a.numel() + b.numel(), dtype=a.dtype)
+    at = torch.searchsorted(a, b).add_(torch.arange(b.numel()))  # where each of ``b`` lands
+    rest = torch.ones(out.numel(), dtype=torch.bool).index_fill_(0, at, False)
+    return out.index_copy_(0, at, b).masked_scatter_(rest, a)
 
 
 @register("randomk", paper="Stich, Cordonnier, Jaggi 2018 (Sparsified SGD with memory: random-k)")

@@ -5,6 +5,10 @@ This file also holds ``converge_job``, the convergence smoke test the sparse met
 """
 from __future__ import annotations
 
+import itertools
+import math
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +18,7 @@ from torch import nn
 
 import gcomp
 from gcomp import BucketInfo
-from gcomp.compressors.randomk import RandomKCompressor, uniform_subset
+from gcomp.compressors.randomk import RandomKCompressor, all_finite, uniform_subset
 from tests.distributed import run_ranks
 from tests.models import ddp, flat_params, mlp, teacher_labels
 
@@ -98,7 +102,7 @@ def test_every_rank_draws_the_same_distinct_positions(n, ratio, dtype, seed):
             payloads.append((x, comp.compress(x, BucketInfo.single(x))))
         k = _k(n, ratio)
         index = payloads[0][1].ctx[1]
-        assert index.shape == (k,) and index.unique().numel() == k
+        assert index.shape == (k,) and bool((index[1:] > index[:-1]).all())  # distinct, ascending
         assert 0 <= int(index.min()) and int(index.max()) < n
         for x, p in payloads:
             assert torch.equal(p.ctx[1], index), f"step {step}: ranks drew different positions"
@@ -193,22 +197,49 @@ def test_uniform_subset_draws_k_distinct_positions_reproducibly(n, fraction, see
     k = max(1, int(n * fraction))
     a = uniform_subset(n, k, torch.Generator().manual_seed(seed))
     b = uniform_subset(n, k, torch.Generator().manual_seed(seed))
-    assert a.numel() == k and a.unique().numel() == k and int(a.min()) >= 0 and int(a.max()) < n
+    assert a.numel() == k and bool((a[1:] > a[:-1]).all()) and int(a[0]) >= 0 and int(a[-1]) < n  # ascending
     assert torch.equal(a, b)  # the same generator state, the same draw: what keeps ranks in step
 
 
-def test_uniform_subset_is_uniform_over_ordered_draws():
-    """Small k (the sparse path, not randperm): every ordered pair of 12 positions about equally often."""
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(4, 3000), fraction=st.floats(0.0, 0.25), seed=st.integers(0, 2**31 - 1))
+def test_uniform_subset_is_the_first_k_distinct_values_of_its_stream(n, fraction, seed):
+    """The sparse path (``4k <= n``) returns exactly the first ``k`` distinct values of the stream of uniform
+    draws it takes from the generator, whatever the rounds: the set whose every k-subset is equally likely.
+    Recorded here by watching ``torch.randint``; k up to n/4 makes repeats, and so top-up rounds, common."""
+    k = max(1, int(n * fraction))
+    draws = []
+    real = torch.randint
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        draws.append(out)
+        return out
+
+    with mock.patch.object(torch, "randint", recording):
+        got = uniform_subset(n, k, torch.Generator().manual_seed(seed))
+    first = list(dict.fromkeys(torch.cat(draws).tolist()))  # distinct values in order of first draw
+    assert len(first) >= k
+    assert got.tolist() == sorted(first[:k])
+
+
+def _chi2_bound(df: int, z: float = 3.719) -> float:
+    """The chi-square quantile exceeded with probability about 1e-4 (``z``: the normal one), Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("n, k", [(12, 2), (12, 3), (6, 2)], ids=["pairs", "triples-with-top-ups", "dense"])
+def test_uniform_subset_draws_every_k_subset_equally_often(n, k):
+    """Every k-subset about equally often, 100 times each expected: pairs and triples of 12 take the sparse path
+    (triples: the first 3 draws repeat a value in 24% of the draws, so the top-up rounds are tested too), pairs
+    of 6 the permutation. Positions come ascending, so the subset is the whole outcome."""
     g = torch.Generator().manual_seed(3)
-    counts = torch.zeros(12, 12)
-    for _ in range(13_200):
-        i, j = uniform_subset(12, 2, g).tolist()
-        counts[i, j] += 1
-    off = counts[~torch.eye(12, dtype=torch.bool)]
-    assert counts.diagonal().sum() == 0 and off.numel() == 132
-    expected = 13_200 / 132  # 100 per ordered pair
-    chi2 = float(((off - expected) ** 2 / expected).sum())
-    assert chi2 < 200, chi2  # 131 degrees of freedom: mean 131, above 200 with probability under 1e-4
+    cells = {c: i for i, c in enumerate(itertools.combinations(range(n), k))}
+    counts = torch.zeros(len(cells))
+    for _ in range(100 * len(cells)):
+        counts[cells[tuple(uniform_subset(n, k, g).tolist())]] += 1  # a KeyError if not ascending and distinct
+    chi2 = float(((counts - 100) ** 2 / 100).sum())
+    assert chi2 < _chi2_bound(len(cells) - 1), chi2
 
 
 # --- the fast paths: the flag in one pass, the update without a decode, the decode buffers -----------------
@@ -222,6 +253,27 @@ def test_the_flag_is_nan_exactly_when_an_entry_is_not_finite(dtype, bad):
         x[321] = bad
     wire, = RandomKCompressor(0.01, 0).compress(x, BucketInfo.single(x)).tensors
     assert wire[-1].isnan() == (bad is not None) and (bad is not None or wire[-1] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_finite_is_exact_when_the_sum_overflows_and_wherever_the_bad_entry_lies(dtype):
+    big = torch.full((1000,), torch.finfo(dtype).max, dtype=dtype)  # the sum overflows: min and max decide
+    assert all_finite(big) and all_finite(-big) and all_finite(torch.randn(1000).to(dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 7, 517, 999):
+            for x in (torch.randn(1000).to(dtype), big.clone()):
+                x[where] = bad
+                assert not all_finite(x), (bad, where)
+    assert not all_finite(torch.tensor([float("inf"), float("-inf")], dtype=dtype))  # inf - inf: NaN, not 0
+
+
+def test_sent_positions_only_for_a_finite_bucket_on_the_host():
+    comp = RandomKCompressor(0.1, 0)
+    x = torch.randn(300)
+    payload = comp.compress(x, BucketInfo.single(x))
+    assert torch.equal(comp.sent_positions(payload), payload.ctx[1])
+    x[5] = float("inf")
+    assert comp.sent_positions(comp.compress(x, BucketInfo.single(x))) is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
