@@ -6,6 +6,7 @@ or a fresh DDP after a checkpoint), and a checkpoint that does not depend on how
 """
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -140,9 +141,21 @@ class Scratch:
     def __init__(self, slots: int = 1):
         self.slots = slots
         self._kept: dict[str, tuple[frozenset, list[torch.Tensor]]] = {}
+        # decodes run on the backend's threads, several buckets at once, beside the next bucket's encode
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"slots": self.slots}  # memory, not state: a copy (deepcopy, pickle) starts with no buffers
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["slots"])
 
     def take(self, bucket: BucketInfo, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-d tensor of ``numel`` entries, contents undefined, that no one else holds."""
+        with self._lock:
+            return self._take(bucket, numel, dtype, device)
+
+    def _take(self, bucket: BucketInfo, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         entry = self._kept.get(bucket.key)
         if entry is None:
             names = frozenset(bucket.names)
@@ -163,13 +176,15 @@ class Scratch:
 
     def keeps(self, bucket: BucketInfo, t: torch.Tensor) -> bool:
         """True when ``t`` is (a view of) one of the buffers kept for ``bucket``'s layout."""
-        entry = self._kept.get(bucket.key)
-        return entry is not None and any(_same_storage(base, t) for base in entry[1])
+        with self._lock:
+            entry = self._kept.get(bucket.key)
+            return entry is not None and any(_same_storage(base, t) for base in entry[1])
 
     def alone(self, t: torch.Tensor) -> bool:
         """True when nothing but ``t`` uses its storage, besides this scratch keeping it: ``t`` may be written
         over without changing a tensor someone else holds."""
-        kept = any(_same_storage(base, t) for _, bases in self._kept.values() for base in bases)
+        with self._lock:
+            kept = any(_same_storage(base, t) for _, bases in self._kept.values() for base in bases)
         return _unshared(t, others=1 if kept else 0)
 
 

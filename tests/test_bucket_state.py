@@ -3,6 +3,9 @@ changes and checkpoints, for every slot at once (ResidualMemory, DGC and Signum 
 check them through it: tests/test_memory.py, tests/compressors/test_dgc.py, test_sign.py)."""
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -63,3 +66,54 @@ def test_a_piece_of_the_wrong_size_is_a_clear_error():
     with pytest.raises(ValueError, match="ResidualMemory: the residuals of parameter 'a' hold 4 elements, "
                                          "the bucket holds 3"):
         state.find(A, torch.zeros(5))
+
+
+def _stress_copies(holder, fill) -> None:
+    """Deep-copy ``holder`` over and over while another thread keeps adding buffers to it, as a decode on the
+    backend's threads does while the main thread copies a method (the contract suite's twin)."""
+    import copy
+    import threading
+
+    done = threading.Event()
+
+    def add():
+        i = 0
+        while not done.is_set():
+            fill(i)
+            i += 1
+
+    worker = threading.Thread(target=add)
+    worker.start()
+    try:
+        for _ in range(300):
+            copy.deepcopy(holder)
+    finally:
+        done.set()
+        worker.join()
+
+
+def test_a_scratch_copies_empty_and_safely_while_another_thread_takes():
+    from gcomp.bucket_state import Scratch
+
+    scratch = Scratch(slots=2)
+    info = BucketInfo.from_layout(0, torch.float32, ["w"], [8])
+    held = scratch.take(info, 8, torch.float32, torch.device("cpu"))
+    twin = copy.deepcopy(scratch)
+    assert twin.slots == 2 and twin._kept == {} and not twin.keeps(info, held)
+    assert pickle.loads(pickle.dumps(scratch))._kept == {}
+
+    def fill(i):
+        layout = BucketInfo.from_layout(i, torch.float32, [f"p{i}"], [4])
+        scratch.take(layout, 4, torch.float32, torch.device("cpu"))
+
+    _stress_copies({"scratch": scratch}, fill)
+
+
+def test_the_quantisers_scratch_copies_empty_while_another_thread_fills_it():
+    from gcomp.compressors.quantise import Scratch
+
+    scratch = Scratch()
+    scratch.get("b0", "draws", 4, torch.float32, torch.device("cpu"))
+    assert copy.deepcopy(scratch)._buffers == {}
+    _stress_copies({"scratch": scratch},
+                   lambda i: scratch.get(f"b{i}", "draws", 4, torch.float32, torch.device("cpu")))

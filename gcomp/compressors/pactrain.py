@@ -134,12 +134,13 @@ class PacTrainCompressor(ChainedCompressor):
     def _carried_exponents(self, track: BucketTrack) -> torch.Tensor | None:
         """The shared scale's exponents the last step left for this one, or None when this step must take two
         rounds (``rounds=2``, the first packed step, or a rank asked for a resync)."""
-        pending = track.buffers.pop("resync", None)
+        # the keys stay (None when empty): a decode on the backend's threads may be writing to this dict
+        buffers = track.buffers
+        pending, buffers["resync"] = buffers.get("resync"), None
         if pending is not None and bool(read_host_flag(pending)):
             self._count("scale_resyncs")
-            track.buffers.pop("exponents", None)
-            track.buffers.pop("scale", None)
-        return track.buffers.get("exponents") if self.rounds == 1 else None
+            buffers["exponents"] = buffers["scale"] = None
+        return buffers.get("exponents") if self.rounds == 1 else None
 
     def _ternary_buffers(self, track: BucketTrack, like: torch.Tensor) -> dict:
         """Per-bucket work buffers, allocated once per frozen support (fresh allocations of tens of MB cost
@@ -155,6 +156,8 @@ class PacTrainCompressor(ChainedCompressor):
             buffers["prob"] = torch.empty(fields, dtype=torch.float32, device=device)
             buffers["hit"] = torch.empty(k, dtype=torch.bool, device=device)
             buffers["codes"] = torch.zeros(fields, dtype=torch.uint8, device=device)
+            for key in ("exponents", "scale", "resync"):  # the carried scale, set by decodes
+                buffers.setdefault(key, None)
         return buffers
 
     # The ternary path in its parts (``gcomp.bench.pactrain_codec`` times each): gather_values, local_scales, then,

@@ -153,6 +153,13 @@ class Scratch:
     def __init__(self):
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
 
+    def __getstate__(self) -> dict:
+        return {}  # memory, not state: a copy (deepcopy, pickle) starts with no buffers, and never iterates
+        # a dict that a decode on the backend's threads may be adding to
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
     def get(self, key: str, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buffer = self._buffers.get((key, name))
         if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.device != device:

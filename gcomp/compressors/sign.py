@@ -16,6 +16,7 @@ rank r's share of the mean gradient. Two aggregations, the same on every rank:
 """
 from __future__ import annotations
 
+import threading
 from typing import Annotated
 
 import torch
@@ -135,8 +136,20 @@ class Buffers:
     def __init__(self, slots: int = 4):
         self.slots = slots
         self._kept: dict[str, tuple[frozenset, list[torch.Tensor]]] = {}
+        # decodes run on the backend's threads, several buckets at once, beside the next bucket's encode
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"slots": self.slots}  # memory, not state: a copy (deepcopy, pickle) starts with no buffers
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["slots"])
 
     def take(self, bucket: BucketInfo, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            return self._take(bucket, numel, dtype, device)
+
+    def _take(self, bucket: BucketInfo, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         entry = self._kept.get(bucket.key)
         if entry is None:
             names = frozenset(bucket.names)

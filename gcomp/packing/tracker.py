@@ -246,8 +246,8 @@ class MaskTracker:
                 entry["digest"] = support.digest.cpu()
             if "residual" in t.buffers:
                 entry["residual"] = t.buffers["residual"]
-            resync = "resync" in t.buffers and bool(read_host_flag(t.buffers["resync"]).any())
-            if "exponents" in t.buffers and not resync:
+            resync = t.buffers.get("resync") is not None and bool(read_host_flag(t.buffers["resync"]).any())
+            if t.buffers.get("exponents") is not None and not resync:
                 entry["exponents"] = t.buffers["exponents"].cpu()
             out[key] = entry
         return out
