@@ -167,12 +167,15 @@ class Scratch:
             if base.numel() == numel and base.dtype == dtype and base.device == device and _unshared(base):
                 return base.view(numel)  # a tensor of its own, sharing the storage: what ``_unshared`` counts
         base = torch.empty(numel, dtype=dtype, device=device)
-        stale = [b for b in kept if b.numel() != numel or b.dtype != dtype or b.device != device]
-        for b in stale:
-            kept.remove(b)
+        self._keep(kept, base)
+        return base.view(numel)
+
+    def _keep(self, kept: list[torch.Tensor], base: torch.Tensor) -> None:
+        """Keep a fresh buffer in the layout's list ``kept``: those of another size or dtype are given up, and
+        the fresh one is kept while a slot is free."""
+        kept[:] = [b for b in kept if b.numel() == base.numel() and b.dtype == base.dtype and b.device == base.device]
         if len(kept) < self.slots:
             kept.append(base)
-        return base.view(numel)
 
     def keeps(self, bucket: BucketInfo, t: torch.Tensor) -> bool:
         """True when ``t`` is (a view of) one of the buffers kept for ``bucket``'s layout."""

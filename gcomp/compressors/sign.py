@@ -16,13 +16,12 @@ rank r's share of the mean gradient. Two aggregations, the same on every rank:
 """
 from __future__ import annotations
 
-import threading
 from typing import Annotated
 
 import torch
 
 from gcomp.bucket import BucketInfo
-from gcomp.bucket_state import BucketState, KeptInBucketState
+from gcomp.bucket_state import BucketState, KeptInBucketState, Scratch
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.core import ALLGATHER, Compressor, Method, Payload
 from gcomp.memory import NoMemory, ResidualMemory
@@ -118,53 +117,17 @@ def mean_magnitude(x: torch.Tensor, bucket: BucketInfo, plans: dict) -> torch.Te
 
 # --- result buffers kept across steps -----------------------------------------------------------------------------
 
-def _unshared(t: torch.Tensor) -> bool:
-    """True when no tensor but ``t`` uses ``t``'s storage (nothing handed out of it is still alive)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2  # ``t`` and the storage asked here
-
-
-class Buffers:
-    """Bucket-sized tensors kept per bucket layout and handed out again once nobody holds them.
-
-    A fresh bucket-sized allocation costs several copies of the bucket on a CPU (its pages are faulted in anew
-    at every step), so decoded buckets are written into tensors kept from earlier steps: ``take`` returns one
-    whose storage nothing else shares (DDP holds a decoded bucket until the step's end, error feedback holds
-    its decode for a moment, a caller may keep any), or a fresh one, kept while fewer than ``slots`` are. A
-    layout seen for the first time drops the buffers of the layouts that share a parameter with it.
-    """
+class Buffers(Scratch):
+    """``Scratch`` for codecs that take buffers of several dtypes per layout (sign flags as bools beside
+    decoded values): a fresh buffer is always kept, the oldest given up once every slot is full."""
 
     def __init__(self, slots: int = 4):
-        self.slots = slots
-        self._kept: dict[str, tuple[frozenset, list[torch.Tensor]]] = {}
-        # decodes run on the backend's threads, several buckets at once, beside the next bucket's encode
-        self._lock = threading.Lock()
+        super().__init__(slots)
 
-    def __getstate__(self) -> dict:
-        return {"slots": self.slots}  # memory, not state: a copy (deepcopy, pickle) starts with no buffers
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["slots"])
-
-    def take(self, bucket: BucketInfo, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with self._lock:
-            return self._take(bucket, numel, dtype, device)
-
-    def _take(self, bucket: BucketInfo, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        entry = self._kept.get(bucket.key)
-        if entry is None:
-            names = frozenset(bucket.names)
-            for key in [k for k, (other, _) in self._kept.items() if names & other]:
-                del self._kept[key]
-            entry = self._kept[bucket.key] = (names, [])
-        kept = entry[1]
-        for base in kept:
-            if base.numel() == numel and base.dtype == dtype and base.device == device and _unshared(base):
-                return base.view(numel)
-        base = torch.empty(numel, dtype=dtype, device=device)
+    def _keep(self, kept: list[torch.Tensor], base: torch.Tensor) -> None:
         if len(kept) >= self.slots:
             kept.pop(0)
         kept.append(base)
-        return base.view(numel)
 
 
 class ScaledSignCompressor(Compressor):
