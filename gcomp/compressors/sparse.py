@@ -56,22 +56,22 @@ class SparseCompressor(Compressor):
             scratch = self.__dict__["_decoded_scratch"] = Scratch(slots=2)
         return scratch
 
-    @staticmethod
-    def sparse_payload(values: torch.Tensor, index: torch.Tensor, like: torch.Tensor,
+    def sparse_payload(self, values: torch.Tensor, index: torch.Tensor, like: torch.Tensor,
                        bucket: BucketInfo | None = None) -> Payload:
         """``values`` at positions ``index`` of ``bucket``'s layout (a bucket shaped like ``like``); ``bucket``
-        lets the decoder reuse its output buffer."""
+        lets the decoder reuse its output buffer. The buffers travel in the context, made here, by the encode on
+        the caller's thread: a decode, on the backend's threads, never adds to this object."""
         n = like.numel()
         index = index.to(index_dtype(n))
-        return Payload([values, index], ctx=(n, like.dtype, bucket))
+        return Payload([values, index], ctx=(n, like.dtype, bucket, None if bucket is None else self._decoded))
 
     def decompress(self, tensors, ctx):
         values, index = tensors
-        n, dtype, bucket = ctx
-        if bucket is None:
+        n, dtype, bucket, scratch = ctx
+        if scratch is None:
             out = torch.zeros(n, dtype=dtype, device=values.device)
         else:
-            out = self._decoded.take(bucket, n, dtype, values.device).zero_()
+            out = scratch.take(bucket, n, dtype, values.device).zero_()
         return out.index_add_(0, index, values)
 
     def aggregate(self, gathered, ctx):

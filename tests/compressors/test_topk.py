@@ -375,3 +375,16 @@ def test_buffers_are_reused_across_steps_and_never_while_held():
     held = memory.compensate(torch.zeros(info.numel), info)
     other = memory.compensate(torch.zeros(info.numel), info)
     assert held.data_ptr() == v1 and other.data_ptr() != held.data_ptr()  # a held buffer is never handed out
+
+
+def test_a_decode_adds_nothing_to_the_compressor():
+    """Decodes run on the backend's threads, beside the next bucket's encode and a deepcopy of the method: the
+    decode buffers are made by the encode and travel in the payload's context."""
+    comp = TopKCompressor(0.25)
+    x = torch.randn(64)
+    info = BucketInfo.single(x)
+    payload = comp.compress(x, info)
+    before = set(vars(comp))
+    comp.decompress(payload.tensors, payload.ctx)
+    comp.aggregate([t[None] for t in payload.tensors], payload.ctx)
+    assert set(vars(comp)) == before
