@@ -170,7 +170,8 @@ class PowerSGDCompressor(ChainedCompressor):
             q = torch.randn(mat.m, mat.r, generator=self.generator, dtype=torch.float64)
             return orthogonalise(q.to(like))
         first = self._first_query(mat).to(like)
-        q = self._queries.get(mat.name)
+        # the key is made here, by the encode: the decode that fills it runs on the backend's threads
+        q = self._queries.setdefault(mat.name, None)
         if q is None or q.shape != first.shape:
             return orthogonalise(first)
         q = q.to(like)
@@ -248,7 +249,8 @@ class PowerSGDCompressor(ChainedCompressor):
     # --- checkpoint -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "queries": dict(self._queries),
+        return {"generator": self.generator.get_state(),
+                "queries": {n: q for n, q in self._queries.items() if q is not None},
                 "errors": dict(self._errors)}
 
     def load_state_dict(self, state: dict) -> None:

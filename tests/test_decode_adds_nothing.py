@@ -1,0 +1,64 @@
+"""A decode runs on the backend's threads, beside the next bucket's encode (and, in the contract suite, a deepcopy
+of the method): it may fill buffers a cache keeps under its own lock, but it adds no entry to a dict or an
+attribute of the method itself, which another thread may be iterating over."""
+from __future__ import annotations
+
+import torch
+
+import gcomp
+from gcomp.bench import codec_table
+from gcomp.bucket_state import Scratch
+from gcomp.compressors.quantise import Scratch as QuantiserScratch
+from gcomp.compressors.sign import Buffers
+
+CACHES = (Scratch, QuantiserScratch, Buffers)  # copied empty and taken under a lock: see bucket_state.Scratch
+
+
+def _sizes(obj, seen: set, path: str = "method") -> dict[str, int]:
+    """The size of every dict and attribute table reachable from ``obj`` (caches and tensors left out)."""
+    if id(obj) in seen or isinstance(obj, (torch.Tensor, torch.Generator, str, int, float, bool, type(None),
+                                           torch.nn.Module) + CACHES):
+        return {}
+    seen.add(id(obj))
+    out: dict[str, int] = {}
+    if isinstance(obj, dict):
+        out[path] = len(obj)
+        items = list(obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = list(enumerate(obj))
+    elif hasattr(obj, "__dict__"):
+        out[path + ".__dict__"] = len(vars(obj))
+        items = list(vars(obj).items())
+    else:
+        return out
+    for key, value in items:
+        out.update(_sizes(value, seen, f"{path}.{key}"))
+    return out
+
+
+def test_no_registered_method_grows_itself_while_decoding(monkeypatch):
+    grew: dict[str, set] = {}
+    create = gcomp.create
+
+    def watched(name, **params):
+        method = create(name, **params)
+        compressor = method.compressor
+        for attr in ("decompress", "aggregate"):
+            decode = getattr(compressor, attr)
+
+            def wrapped(*args, _decode=decode, _name=name, **kwargs):
+                before = _sizes(method, set())
+                result = _decode(*args, **kwargs)
+                after = _sizes(method, set())
+                changed = {p for p in before.keys() | after.keys() if before.get(p) != after.get(p)}
+                if changed:
+                    grew.setdefault(_name, set()).update(changed)
+                return result
+
+            setattr(compressor, attr, wrapped)
+        return method
+
+    monkeypatch.setattr(codec_table.gcomp, "create", watched)
+    rows = codec_table.run(sizes_mb=(0.25,), repeats=1, log=lambda *_: None)
+    assert len(rows) == len(gcomp.available())
+    assert grew == {}
