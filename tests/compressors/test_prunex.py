@@ -202,6 +202,7 @@ def test_ternary_options_reach_the_inter_node_stage():
     ({"error_feedback": "yes"}, "prunex: parameter 'error_feedback' must be a bool; got 'yes'"),
     ({"seed": -1}, r"prunex: parameter 'seed' must be in \[0, inf\); got -1"),
     ({"seed": 1.5}, "prunex: parameter 'seed' must be an int"),
+    ({"rounds": 3}, r"prunex: parameter 'rounds' must be in \[1, 2\]; got 3"),
 ])
 def test_ternary_options_are_validated_at_create(params, message):
     with pytest.raises(ValueError, match=message):
@@ -209,7 +210,7 @@ def test_ternary_options_are_validated_at_create(params, message):
 
 
 @pytest.mark.parametrize("params, idle", [({"clip": 2.5}, "'clip'"), ({"error_feedback": True}, "'error_feedback'"),
-                                          ({"seed": 3}, "'seed'")])
+                                          ({"seed": 3}, "'seed'"), ({"rounds": 2}, "'rounds'")])
 def test_ternary_options_warn_once_without_ternary(params, idle):
     with pytest.warns(UserWarning, match=f"prunex: parameter {idle} has no effect without ternary=True") as caught:
         gcomp.create("prunex", **params)
