@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 _in_flight: list[dist.Work] = []
-_settled: list[dist.Work] = []  # what the last ``settle`` waited for, released by the next one
 _lock = threading.Lock()  # callbacks of one round launch the next from the backend's threads
 _PRUNE_AT = 256  # outside a backward pass nobody settles: completed works are forgotten at this length
 
@@ -41,32 +40,15 @@ def settle(timeout: float | None = None) -> None:
     """Wait until every collective launched so far is finished, its future's callbacks included, and forget it;
     with ``timeout`` (seconds), for that long at most in all.
 
-    The works waited for are held until the next ``settle`` (the next backward pass's end, or exit), and only
-    then released, by the thread that settles: a worker thread that finished a work still drops its own
-    reference to it a moment later, and must never be the one that frees the work and the tensors it holds
-    (with the Python objects they keep: at interpreter shutdown that thread would abort the process).
-
     A failed collective is not raised here: its error reaches the caller through its future (DDP raises it).
     """
-    global _settled
     deadline = None if timeout is None else time.monotonic() + timeout
-    done: list[dist.Work] = []
-    try:
-        _wait_for_all(deadline, done)
-    finally:
-        with _lock:
-            released, _settled = _settled, done
-        del released  # here, on this thread
-
-
-def _wait_for_all(deadline: float | None, done: list) -> None:
     while True:
         with _lock:
             if not _in_flight:
                 return
             works = _in_flight[:]
             _in_flight.clear()
-        done.extend(works)
         for work in works:
             try:
                 if deadline is None:
