@@ -12,17 +12,17 @@ import torch
 
 from gcomp.collectives import bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
-from gcomp.compressors import bernoulli, scale_grid
-from gcomp.compressors.quantise import RankGenerator, per_segment_, rank_and_world, segment_scales
+from gcomp.compressors import scale_grid
+from gcomp.compressors.pactrain_ternary import FLAGS, TernaryPath
+from gcomp.compressors.quantise import RankGenerator, rank_and_world
 from gcomp.core import ALLREDUCE, MAX, SUM, Method, Payload, check_state
 from gcomp.memory import NoMemory
 from gcomp.params import Range
-from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker, host_flag, read_host_flag
+from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker, host_flag
 from gcomp.registry import register
 
 TERNARY = "ternary"  # two rounds: the exact shared scale first
 ONE_ROUND = "ternary1"  # one round: the scale carried from the step before (``scale_grid``)
-_FLAGS = 3  # the one-round payload's last int64 words: ranks with a non-finite value, with changed masks, asking a resync
 
 
 @dataclass
@@ -34,7 +34,7 @@ class _Ctx:
     scale: torch.Tensor | None = None  # and that scale
 
 
-class PacTrainCompressor(ChainedCompressor):
+class PacTrainCompressor(TernaryPath, ChainedCompressor):
     """Mask-packed all-reduce of a pruned model's buckets (lossless), optionally ternarised.
 
     On the wire, per bucket and step, by the mask tracker's state (``gcomp.packing.tracker``), in one
@@ -116,138 +116,16 @@ class PacTrainCompressor(ChainedCompressor):
         self.gather_values(track, tensor)
         scales = self.local_scales(track)
         scales[-2] = float(changed_here)
-        exponents = self._carried_exponents(track)
-        if exponents is None:
+        carried = self.carried_scale(track)
+        if carried is None:
             bits = bitpack.lane_bits(self.world_size)
             lanes = torch.empty(bitpack.packed_words(support.kept, bits), dtype=torch.int64, device=tensor.device)
             return Payload([scales, lanes], _Ctx(TERNARY, track, tensor), ops=(MAX, SUM))
         self._count("one_round_buckets")
-        shared = track.buffers.get("scale")
-        if shared is None:  # exponents restored from a checkpoint
-            shared = track.buffers["scale"] = scale_grid.grid_scale(exponents)
-        return Payload([self.one_round_lanes(track, scales, exponents, shared)],
-                       _Ctx(ONE_ROUND, track, tensor, exponents, shared))
+        return Payload([self.one_round_lanes(track, scales, *carried)], _Ctx(ONE_ROUND, track, tensor, *carried))
 
     def chained(self, payload: Payload) -> bool:
         return payload.ctx.mode == TERNARY
-
-    def _carried_exponents(self, track: BucketTrack) -> torch.Tensor | None:
-        """The shared scale's exponents the last step left for this one, or None when this step must take two
-        rounds (``rounds=2``, the first packed step, or a rank asked for a resync)."""
-        # the keys stay (None when empty): a decode on the backend's threads may be writing to this dict
-        buffers = track.buffers
-        pending, buffers["resync"] = buffers.get("resync"), None
-        if pending is not None and bool(read_host_flag(pending)):
-            self._count("scale_resyncs")
-            buffers["exponents"] = buffers["scale"] = None
-        return buffers.get("exponents") if self.rounds == 1 else None
-
-    def _ternary_buffers(self, track: BucketTrack, like: torch.Tensor) -> dict:
-        """Per-bucket work buffers, allocated once per frozen support (fresh allocations of tens of MB cost
-        more in page faults than the arithmetic done in them). ``codes`` and ``prob`` are as long as the
-        lanes' fields: codes are packed in place (zero padding), prob receives every unpacked field."""
-        buffers = track.buffers
-        if "values" not in buffers:
-            k, device = track.support.kept, like.device
-            bits = bitpack.lane_bits(self.world_size)
-            fields = bitpack.packed_words(k, bits) * bitpack.fields_per_word(bits)
-            buffers["values"] = torch.empty(k, dtype=torch.float32, device=device)
-            buffers["draws"] = torch.empty(k, dtype=torch.float32, device=device)
-            buffers["prob"] = torch.empty(fields, dtype=torch.float32, device=device)
-            buffers["hit"] = torch.empty(k, dtype=torch.bool, device=device)
-            buffers["codes"] = torch.zeros(fields, dtype=torch.uint8, device=device)
-            for key in ("exponents", "scale", "resync"):  # the carried scale, set by decodes
-                buffers.setdefault(key, None)
-        return buffers
-
-    # The ternary path in its parts (``gcomp.bench.pactrain_codec`` times each): gather_values, local_scales, then,
-    # with the shared scales, draw_codes and bitpack.pack; after the SUM, decode_values and support.scatter.
-
-    def gather_values(self, track: BucketTrack, tensor: torch.Tensor) -> torch.Tensor:
-        """The kept entries as fp32 (error feedback, or the excess a carried scale clipped, added), and their
-        magnitudes in the ``prob`` buffer."""
-        buffers, support = self._ternary_buffers(track, tensor), track.support
-        values = buffers["values"]
-        if tensor.dtype == torch.float32:
-            support.gather(tensor, values)
-        else:  # a 16-bit bucket: gather into the draws buffer's storage (free until the draws), then widen
-            values.copy_(support.gather(tensor, self._narrow(buffers["draws"], tensor.dtype, support.kept)))
-        held = buffers.get("residual") if self.error_feedback else buffers.pop("residual", None)
-        if held is not None:
-            values += held
-        torch.abs(values, out=buffers["prob"][:values.numel()])
-        return values
-
-    def local_scales(self, track: BucketTrack) -> torch.Tensor:
-        """max |value| per parameter segment (capped at clip * std with clipping, TernGrad's rule:
-        ``quantise.segment_scales``), then two flag slots."""
-        values, magnitudes, segments = track.buffers["values"], track.buffers["prob"], track.support.segments
-        scales = torch.zeros(len(segments) + 2, dtype=torch.float32, device=values.device)
-        segment_scales(values, segments, self.clip, magnitudes[:values.numel()], out=scales[:-2])
-        # A NaN scale might be lost in a MAX all-reduce (max(a, NaN) depends on the order), so a flag slot
-        # carries the fact itself: a non-finite gradient on any rank decodes to non-finite on every rank.
-        scales[-1] = (~torch.isfinite(scales[:-2])).any()
-        return scales
-
-    def second_round(self, payload: Payload) -> None:
-        """Ternarise: fill the lanes from the shared scales (``payload.tensors[0]`` after its MAX all-reduce)."""
-        codes = self.draw_codes(payload.ctx.track, payload.tensors[0][:-2])
-        payload.tensors[1] = bitpack.pack(codes, bitpack.lane_bits(self.world_size))
-
-    def one_round_lanes(self, track: BucketTrack, scales: torch.Tensor, exponents: torch.Tensor,
-                        shared: torch.Tensor) -> torch.Tensor:
-        """The one all-reduce's int64 tensor: the codes drawn against the carried scale ``shared`` (of grid
-        ``exponents``), the counting lanes of this rank's largest values, and the 3 counts (see the class
-        docstring)."""
-        local = scales[:-2]
-        codes = self.draw_codes(track, shared)
-        if not self.error_feedback and self.clip == 0:
-            over = local > shared  # some value above the carried scale went as +-scale: its excess is carried
-            if local.device.type != "cpu" or bool(over.any()):  # a free check on the host; a GPU never waits
-                self._carry_excess(track, shared)
-        hist, resync = scale_grid.marks(local, exponents, self.world_size)
-        words = bitpack.pack(codes, bitpack.lane_bits(self.world_size))
-        lanes = torch.empty(words.numel() + hist.numel() + _FLAGS, dtype=torch.int64, device=words.device)
-        lanes[:words.numel()] = words
-        lanes[words.numel():-_FLAGS] = hist
-        lanes[-3] = scales[-1].to(torch.int64)
-        lanes[-2] = scales[-2].to(torch.int64)
-        lanes[-1] = resync
-        return lanes
-
-    def _carry_excess(self, track: BucketTrack, shared: torch.Tensor) -> None:
-        """Keep ``value - clamp(value, -scale, scale)`` for this rank's next step (``gather_values`` adds it)."""
-        buffers = track.buffers
-        values = buffers["values"]
-        carry = buffers.get("carry")
-        if carry is None:
-            carry = buffers["carry"] = torch.empty_like(values)
-        carry.copy_(values)
-        per_segment_(carry, shared, track.support.segments, lambda view, s: view.clamp_(-s, s))
-        buffers["residual"] = torch.sub(values, carry, out=carry).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        buffers.pop("carry")  # its storage now holds the residual: the next clip takes a fresh one
-
-    def draw_codes(self, track: BucketTrack, shared: torch.Tensor) -> torch.Tensor:
-        """t + 1 in {0, 1, 2} per kept entry, with E[shared * t] = value where |value| <= shared (``shared``:
-        one scale per parameter segment), then the zero padding of the lanes' last word (uint8: t = -1 is
-        (0 * 2 - 1) mod 256 = 255, and 255 + 1 wraps to 0). Error feedback keeps what the codes do not carry."""
-        buffers, segments, k = track.buffers, track.support.segments, track.support.kept
-        values, hit = buffers["values"], buffers["hit"]
-        prob, codes = buffers["prob"][:k], buffers["codes"][:k]  # past k: the lanes' zero padding
-        # |value| / shared scale, in [0, 1] unless clipped, times bernoulli.SCALE (divided into the scale: exact)
-        per_segment_(prob, shared / bernoulli.SCALE, segments, torch.Tensor.div_)
-        # a NaN probability never hits: t = 0; above 1 always hits: +-scale
-        work = buffers.setdefault("bernoulli", {"draws": buffers["draws"]})
-        bernoulli.draw_hits(hit, prob, self.random(values.device), work)
-        # codes = t + 1 = (2 * (value > 0) - 1) * hit + 1, in {0, 1, 2}; the bool views avoid temporaries
-        torch.gt(values, 0, out=codes.view(torch.bool))
-        codes.mul_(2).sub_(1).mul_(hit.view(torch.uint8)).add_(1)
-        if self.error_feedback:
-            sent = prob.copy_(codes).sub_(1)  # prob is free again: reuse it for what was sent
-            per_segment_(sent, shared, segments, torch.Tensor.mul_)
-            residual = torch.sub(values, sent, out=buffers.get("residual"))
-            buffers["residual"] = residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        return buffers["codes"]
 
     # --- decode ---------------------------------------------------------------------------------------------
 
@@ -266,42 +144,19 @@ class PacTrainCompressor(ChainedCompressor):
             MaskTracker.receive_changed(track, scales[-2:-1])
             nonfinite, shared = scales[-1], scales[:-2]
             # the next step's scale, if it goes in one round: the exact shared max, on the grid
-            self._carry_scale(track, scale_grid.grid_exponent(shared))
+            self.carry_scale(track, scale_grid.grid_exponent(shared))
         else:
             lanes, = tensors
             MaskTracker.receive_changed(track, lanes[-2:-1])
             words = bitpack.packed_words(support.kept, bitpack.lane_bits(self.world_size))
             nonfinite, shared = lanes[-3], ctx.scale
-            self._carry_scale(track, scale_grid.next_exponent(lanes[words:-_FLAGS], ctx.exponents, self.world_size))
+            self.carry_scale(track, scale_grid.next_exponent(lanes[words:-FLAGS], ctx.exponents, self.world_size))
             track.buffers["resync"] = host_flag(lanes[-1:] > 0)
             lanes = lanes[:words]
         values, dtype = self.decode_values(track, shared, nonfinite, lanes), ctx.bucket.dtype
         if dtype != torch.float32:
             values = self._narrow(track.buffers["draws"], dtype, support.kept).copy_(values)
         return support.scatter(values, ctx.bucket)
-
-    @staticmethod
-    def _carry_scale(track: BucketTrack, exponents: torch.Tensor) -> None:
-        """Keep the next step's shared scale (its grid exponents, and the scale itself)."""
-        track.buffers["exponents"], track.buffers["scale"] = exponents, scale_grid.grid_scale(exponents)
-
-    @staticmethod
-    def _narrow(buffer: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
-        """The first ``n`` entries of an fp32 buffer's storage seen as a 16-bit ``dtype``."""
-        return buffer.view(dtype)[:n]
-
-    def decode_values(self, track: BucketTrack, shared: torch.Tensor, nonfinite: torch.Tensor,
-                      lanes: torch.Tensor) -> torch.Tensor:
-        """The summed lanes as fp32 values: shared scale * (field - N), per parameter segment; every entry NaN
-        when ``nonfinite`` (the ranks' count or flag of non-finite values) is above 0."""
-        support = track.support
-        prob = track.buffers["prob"]  # as long as the lanes' fields, free again after the draws
-        values = bitpack.unpack(lanes, support.kept, bitpack.lane_bits(self.world_size), out=prob)
-        values.sub_(self.world_size)
-        # A non-finite gradient on any rank: every scale becomes NaN, and so every decoded entry.
-        shared = shared + torch.where(nonfinite > 0, torch.nan, 0.0)
-        per_segment_(values, shared, support.segments, torch.Tensor.mul_)
-        return values
 
     # --- checkpoint -------------------------------------------------------------------------------------------
 
