@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gcomp.bench.costmodel import (COLLECTIVES, Launched, Network, Profile, bandwidth_label, comm_time,
-                                   error_by_method, launched_s, model_error, project, step_time)
+from gcomp.bench.collective_costs import COLLECTIVES, Launched, Network, bandwidth_label, comm_time, launched_s
+from gcomp.bench.costmodel import Profile, error_by_method, model_error, project, step_time
 from gcomp.bench.simulate import main, markdown, plot
 from gcomp.bench.throughput import link_from_timings
 
