@@ -4,10 +4,11 @@
     state = gcomp.install(ddp_model, "topk", ratio=0.01)   # one hook, any registered method
     state, hook = gcomp.comm_hook("topk", ratio=0.01)       # or register it yourself (Lightning's DDPStrategy)
 """
+from gcomp.attach import comm_hook, install
 from gcomp.bucket import BucketInfo
 from gcomp.core import (ALLGATHER, ALLREDUCE, HIERARCHICAL, POINT_TO_POINT, Communicator, Compressor, Memory, Method,
                         Payload)
-from gcomp.hook import HookState, comm_hook, install
+from gcomp.hook import HookState
 from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.params import OneOf, Range
 from gcomp.registry import UnknownMethodError, available, create, describe, register, spec

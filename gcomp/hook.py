@@ -3,9 +3,8 @@
 No ``from __future__ import annotations`` here: DDP compares the hook's return annotation with
 ``torch.futures.Future[torch.Tensor]`` itself, and a string would not match.
 """
-import logging
 import warnings
-from typing import Callable, Union
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -17,9 +16,7 @@ from gcomp.collectives import futures
 from gcomp.collectives.allreduce import all_reduce_all
 from gcomp.collectives.counting import COUNTER_KEYS
 from gcomp.core import Method, Payload
-from gcomp.registry import create
 
-_log = logging.getLogger("gcomp")
 STATE_FORMAT = checkpoint.STATE_FORMAT
 _STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "encode_s", "decode_s",
               "warmup_steps", "dense_buckets", "layouts", *COUNTER_KEYS)
@@ -271,89 +268,3 @@ class HookState:
 def gcomp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook every gcomp method runs through."""
     return state.reduce(bucket)
-
-
-def make_method(name_or_method: Union[str, Method], params: dict) -> Method:
-    """A registered name (``params`` go to ``gcomp.create``, validated there) or a ``Method`` built by hand."""
-    if isinstance(name_or_method, str):
-        return create(name_or_method, **params)
-    if isinstance(name_or_method, Method):
-        if params:
-            raise ValueError(f"parameters {sorted(params)} were given with an already created Method; "
-                             "pass them to gcomp.create instead")
-        return name_or_method
-    raise TypeError(f"name_or_method must be a method name or a gcomp.Method; got {type(name_or_method).__name__}")
-
-
-def comm_hook(name_or_method: Union[str, Method], process_group: dist.ProcessGroup | None = None,
-              model: torch.nn.Module | None = None, **params) -> tuple[HookState, Callable]:
-    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``, or for a trainer that registers the
-    hook itself (Lightning: ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)``).
-
-    Needs no model and no process group yet: the state binds itself to the process group at the first bucket
-    (``process_group``, by default the default group: it must be the DDP model's). With ``model`` (or
-    ``state.bind(model)`` before the first step) parameters are known by name: checkpoints keyed by name,
-    pruning masks seen; without, by their place in the first step's buckets (``HookState`` says what each
-    gives). One state serves one DDP model.
-    """
-    method = make_method(name_or_method, params)
-    return HookState(method, model, process_group), gcomp_hook
-
-
-def install(ddp_model: DistributedDataParallel, name_or_method: Union[str, Method],
-            process_group: dist.ProcessGroup | None = None, *, if_distributed: bool = False,
-            **params) -> HookState | None:
-    """Register gcomp's communication hook on a DDP model and return its state.
-
-    ``name_or_method`` is a registered name (``params`` go to ``gcomp.create``) or a ``Method`` built by hand.
-    Collectives run on ``process_group``, by default the DDP model's own. A ``torch.compile``d DDP model is
-    unwrapped: the hook goes on the DDP model inside.
-
-    ``if_distributed=True`` is for scripts that also run on one process (``accelerate launch --cpu``, a
-    debugging run), where the model is not wrapped in DDP: a module that is not DDP, with no process group or
-    a group of one, is left as it is with one info line (logger ``gcomp``), and None is returned. By default,
-    or with more than one process, a model that is not DDP is a ``TypeError``.
-    """
-    inner = getattr(ddp_model, "_orig_mod", None)  # torch.compile's OptimizedModule wraps the DDP model
-    if isinstance(inner, DistributedDataParallel):
-        ddp_model = inner  # the hook lives on DDP's reducer, which the compiled module runs as it is
-    if not isinstance(ddp_model, DistributedDataParallel):
-        alone = not dist.is_initialized() or dist.get_world_size() == 1
-        if if_distributed and alone and isinstance(ddp_model, torch.nn.Module):
-            make_method(name_or_method, params)  # a bad name or parameter is an error on one process too
-            _log.info("gcomp.install: one process and no DistributedDataParallel model (%s): nothing to "
-                      "compress, no hook installed", type(ddp_model).__name__)
-            return None
-        raise TypeError(f"gcomp.install needs a torch.nn.parallel.DistributedDataParallel model; got "
-                        f"{type(ddp_model).__name__}. Wrap it first: DistributedDataParallel(model)"
-                        + ("" if if_distributed or not alone else
-                           "; on one process, install(..., if_distributed=True) skips it instead"))
-    if getattr(ddp_model, "_gcomp_state", None) is not None:
-        raise RuntimeError(f"a gcomp hook ({ddp_model._gcomp_state.method.name}) is already installed on this "
-                           "model; DDP takes one communication hook per model: build a new DDP model to change it")
-    if process_group is None:
-        process_group = ddp_model.process_group
-    else:
-        _check_same_ranks(process_group, ddp_model.process_group)
-    state, hook = comm_hook(name_or_method, process_group, model=ddp_model, **params)
-    try:
-        ddp_model.register_comm_hook(state, hook)
-    except RuntimeError as err:
-        raise RuntimeError("this DDP model already has a communication hook (DDP takes one per model, and its "
-                           f"mixed_precision option registers its own): {err}") from err
-    ddp_model._gcomp_state = state
-    return state
-
-
-def _check_same_ranks(hook_group, ddp_group) -> None:
-    """The hook must reduce over exactly the ranks DDP reduces over: over fewer or others, replicas diverge."""
-    ddp_ranks = dist.get_process_group_ranks(ddp_group)
-    if hook_group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(hook_group) < 0:
-        raise ValueError(f"gcomp.install: this rank (global rank {dist.get_rank()}) is not in process_group, "
-                         f"while the DDP model's group has {len(ddp_ranks)} ranks; pass process_group=None to "
-                         "reduce over the DDP model's own group")
-    hook_ranks = dist.get_process_group_ranks(hook_group)
-    if sorted(hook_ranks) != sorted(ddp_ranks):
-        raise ValueError(f"gcomp.install: process_group has {len(hook_ranks)} ranks {hook_ranks} but the DDP model's "
-                         f"group has {len(ddp_ranks)} {ddp_ranks}; the hook must reduce over the same ranks as DDP "
-                         "(pass process_group=None, or build DDP with process_group=...)")

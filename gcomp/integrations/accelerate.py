@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from gcomp.hook import HookState
-from gcomp.hook import install as install_hook
+from gcomp.attach import install as install_hook
 
 
 class GatheredHookState:

@@ -15,7 +15,8 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from gcomp.hook import HookState, comm_hook, gcomp_hook, make_method
+from gcomp.attach import comm_hook, make_method
+from gcomp.hook import HookState, gcomp_hook
 
 try:
     from lightning.pytorch.callbacks import Callback
