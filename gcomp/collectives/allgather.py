@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from gcomp.collectives.counting import count_collectives, count_round
 from gcomp.collectives.futures import launched, when_all_done
+from gcomp.collectives.gather_flat import all_gather_flat
 from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
 
 
@@ -24,7 +25,7 @@ class AllgatherCommunicator(Communicator):
         outputs, futures = [], []
         for t in payload.tensors:
             out = t.new_empty(world * t.numel())  # gloo wants the flat form
-            futures.append(launched(dist.all_gather_single(out, t.contiguous(), group=group, async_op=True)))
+            futures.append(launched(all_gather_flat(out, t.contiguous(), group, async_op=True)))
             outputs.append(out.view(world, *t.shape))
         count_collectives(stats, "allgather", payload.tensors)
         count_round(stats)

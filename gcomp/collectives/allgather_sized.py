@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from gcomp.collectives.counting import count_collectives, count_round
 from gcomp.collectives.futures import launched, when_all_done
+from gcomp.collectives.gather_flat import all_gather_flat
 from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
 
 
@@ -30,7 +31,7 @@ class SizedAllgatherCommunicator(Communicator):
         length = tensors[0].shape[0]
         mine = torch.full((1,), length, dtype=torch.int64, device=tensors[0].device)
         sizes = mine.new_empty(world)
-        dist.all_gather_single(sizes, mine, group=group)  # synchronous: the width is needed to pad
+        all_gather_flat(sizes, mine, group)  # synchronous: the width is needed to pad
         count_collectives(stats, "allgather", [mine])
         count_round(stats)
         width = max(1, int(sizes.max()))
@@ -40,7 +41,7 @@ class SizedAllgatherCommunicator(Communicator):
             padded[:length] = t
             padding += (padded.numel() - t.numel()) * t.element_size()
             out = t.new_empty(world * padded.numel())  # gloo wants the flat form
-            futures.append(launched(dist.all_gather_single(out, padded, group=group, async_op=True)))
+            futures.append(launched(all_gather_flat(out, padded, group, async_op=True)))
             outputs.append(out.view(world, *padded.shape))
             count_collectives(stats, "allgather", [padded])
         count_round(stats)
