@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
+from gcomp.device_future import then_on
 
 # The collective kinds: how payloads of several ranks are combined (a compressor's and its communicator's
 # ``collective`` must match).
@@ -335,7 +336,7 @@ class Method:
             stats["decode_s"] += time.perf_counter() - begin
             return out
 
-        return communicator.exchange(payload, compressor, group, stats).then(decode)
+        return then_on(communicator.exchange(payload, compressor, group, stats), decode, buffer.device)
 
     @property
     def stat_keys(self) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from gcomp.collectives import futures
 from gcomp.collectives.allreduce import all_reduce_all
 from gcomp.collectives.counting import COUNTER_KEYS
 from gcomp.core import Method, Payload
+from gcomp.device_future import then_on
 
 STATE_FORMAT = checkpoint.STATE_FORMAT
 _STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "encode_s", "decode_s",
@@ -207,7 +208,7 @@ class HookState:
         if warming_up:
             stats["dense_buckets"] += 1
             stats["bytes_sent"] += buffer.numel() * buffer.element_size()
-            return all_reduce_all(Payload([buffer]), self.group).then(lambda f: f.value()[0])
+            return then_on(all_reduce_all(Payload([buffer]), self.group), lambda f: f.value()[0], buffer.device)
 
         return self.method.reduce(buffer, info, self.group, stats)
 
