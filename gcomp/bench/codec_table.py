@@ -101,7 +101,10 @@ def _one_rank_group(device: torch.device) -> bool:
     return True
 
 
-def measure(name: str, numel: int, repeats: int, generator: torch.Generator, device="cpu") -> dict:
+def reducer(name: str, numel: int, generator: torch.Generator, device="cpu"):
+    """``(state, reduce, source)``: the hook state of method ``name`` (its defaults) on a bucket of ``numel``
+    fp32 entries on ``device``, warmed up until its support is frozen, and ``reduce()``, which refills the
+    bucket from ``source`` and reduces it through the hook (a one-rank group must be running)."""
     device = torch.device(device)
     model = _holder(name, numel, generator).to(device)
     param = next(model.parameters())
@@ -112,7 +115,7 @@ def measure(name: str, numel: int, repeats: int, generator: torch.Generator, dev
     source = torch.randn(numel, generator=generator).to(device)
     if name == "pactrain":
         source.mul_(model.weight_mask.reshape(-1))
-    buffer, dst = torch.empty_like(source), torch.empty_like(source)
+    buffer = torch.empty_like(source)
 
     def reduce():
         buffer.copy_(source)
@@ -120,6 +123,13 @@ def measure(name: str, numel: int, repeats: int, generator: torch.Generator, dev
 
     for _ in range(FROZEN_AFTER):
         reduce()
+    return state, reduce, source
+
+
+def measure(name: str, numel: int, repeats: int, generator: torch.Generator, device="cpu") -> dict:
+    device = torch.device(device)
+    state, reduce, source = reducer(name, numel, generator, device)
+    dst = torch.empty_like(source)
     before = dict(state.stats)
     clock = CudaEventClock() if device.type == "cuda" else time.perf_counter
     times = median_times({"copy": lambda: dst.copy_(source), "reduce": reduce}, repeats, clock)
