@@ -196,6 +196,10 @@ class Compressor(_Checkpointed, ABC):
         the default keeps nothing. A codec used outside a hook is never bound.
         """
 
+    def watch(self, ddp: torch.nn.Module) -> None:
+        """Called with the DDP model when the hook is installed on one, before ``bind``; the default does
+        nothing (PacTrain's tracker tells DDP's buffer broadcasts from edits of its masks)."""
+
     def install_flags(self) -> torch.Tensor | None:
         """int64 flags this codec wants MAX all-reduced over its process group once, right after ``bind`` (the
         hook state runs that collective: a codec never does); None, the default, for none. Whether a codec

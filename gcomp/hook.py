@@ -97,6 +97,7 @@ class HookState:
         if isinstance(model, DistributedDataParallel):
             if self.method.stateful:
                 self.warmup = self._warmup_steps(model)
+            self.method.compressor.watch(model)
             model = model.module
         self.model = model
         self._names = {id(p): n for n, p in model.named_parameters()}

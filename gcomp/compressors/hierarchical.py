@@ -42,6 +42,9 @@ class HierarchicalCompressor(Compressor):
         self.intra: dist.ProcessGroup | None = None
         self.inter: dist.ProcessGroup | None = None
 
+    def watch(self, ddp) -> None:
+        self.inner.compressor.watch(ddp)
+
     def bind(self, model, group, stats) -> None:
         world = dist.get_world_size(group)
         topology = (Topology.regular(world, self.ranks_per_node) if self.ranks_per_node

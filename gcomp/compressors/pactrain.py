@@ -85,6 +85,9 @@ class PacTrainCompressor(TernaryPath, ChainedCompressor):
         self.rank, self.world_size = rank_and_world(group)
         self.random.bind(self.rank)  # independent draws per rank
 
+    def watch(self, ddp) -> None:
+        self.tracker.watch(ddp)
+
     def install_flags(self) -> torch.Tensor:
         return self.tracker.install_flags()
 

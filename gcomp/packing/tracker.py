@@ -42,6 +42,7 @@ from gcomp.core import check_state
 from gcomp.packing.groups import GroupSupport
 from gcomp.pruning.masks import mask_of, masks_digest, named_masks, parameter_of
 from gcomp.packing.support import Support, SupportIndex, bucket_support
+from gcomp.packing.sync_bumps import SyncBumps
 
 TRACKING, PACKED, DENSE = "tracking", "packed", "dense"
 ENTRIES, GROUPS = "entries", "groups"  # what a support is made of: kept entries, or whole filters and channels
@@ -85,11 +86,16 @@ class MaskTracker:
         # the masks at bind time, as bools, once every rank's digest of them agreed (``receive_install_flags``):
         # a bucket freezes on them at its first step, and gives its parameters' copies back
         self._agreed: dict[str, torch.Tensor] | None = None
+        self.sync_bumps = SyncBumps()  # DDP's buffer broadcasts, not counted as edits (``watch``)
+
+    def watch(self, ddp: nn.Module) -> None:
+        """Tell DDP's re-sending of the masks at each forward (an in-place copy on torch up to 2.12) from edits."""
+        self.sync_bumps.watch(ddp)
 
     def bind(self, model: nn.Module | None, stats: dict) -> None:
         self.model, self.stats = model, stats
         masks = named_masks(model) if model is not None else {}
-        self._installed = {name: (id(mask), mask._version) for name, mask in masks.items()}
+        self._installed = {name: self._version_of(mask) for name, mask in masks.items()}
         # prunex is installed before its structured prune (ADMM's hard prune, mid-training): no warning there
         if model is not None and self.label == "pactrain" and not masks:
             warnings.warn(f"{self.label}: the model has no pruning masks (torch.nn.utils.prune), so every bucket "
@@ -118,7 +124,11 @@ class MaskTracker:
         return [mask_of(self.model, name) for name in info.names]
 
     def _signature(self, info: BucketInfo) -> tuple:
-        return tuple(None if m is None else (id(m), m._version) for m in self._masks(info))
+        return tuple(None if m is None else self._version_of(m) for m in self._masks(info))
+
+    def _version_of(self, mask: torch.Tensor) -> tuple[int, int]:
+        """A mask's identity and its version less the bumps of DDP's buffer broadcast: what an edit changes."""
+        return id(mask), mask._version - self.sync_bumps.discount(mask)
 
     def _build(self, info: BucketInfo, device, masks: list | None = None) -> Support:
         params = []
