@@ -3,8 +3,9 @@
 The reduction of ``gcomp bench --codec`` (``codec_table.reducer``: one fp32 bucket on a one-rank group), run
 ``--repeats`` times under ``torch.profiler``. Printed per method: the wall time per reduction, the device
 time its kernels and copies took (CUDA only), their ratio (``busy``; far below 1 means the host, not the
-device, sets the pace: a CPU generator, a synchronisation, many small launches), and the operations that took
-the most time on the device (CUDA) or the host (CPU), per reduction.
+device, sets the pace: a CPU generator, a synchronisation, many small launches), and the rows that took the
+most time on the device (CUDA: an operator's row and its kernel's row show the same time) or the host (CPU),
+per reduction.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import argparse
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from gcomp.bench import codec_table
@@ -39,7 +41,9 @@ def profile_method(name: str, numel: int, repeats: int, device: str, top: int = 
         wall = (time.perf_counter() - start) / repeats
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    device_us = sum(getattr(e, key) for e in events) / repeats if cuda else float("nan")
+    # an operator's self device time is its kernels' time again: only the kernels' and copies' own rows count
+    device_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / repeats \
+        if cuda else float("nan")
     return {"method": name, "wall_us": wall * 1e6, "device_us": device_us, "busy": device_us / (wall * 1e6),
             "top": _top(events, key, top, repeats)}
 
