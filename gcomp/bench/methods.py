@@ -74,6 +74,10 @@ class TorchHook:
         elif name == "torch:fp16":
             hook, state, self._bytes = default_hooks.fp16_compress_hook, group, lambda b: b.buffer().numel() * 2
         else:
+            if torch.cuda.is_available() and next(ddp.parameters()).device.type == "cpu":
+                raise ValueError("torch:powersgd: PyTorch's PowerSGD hook calls torch.cuda.synchronize on the "
+                                 "bucket's device whenever CUDA is available, which fails for CPU tensors on a host "
+                                 "with a GPU; run it with --device cuda, or run gcomp's powersgd")
             state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
                                                 start_powerSGD_iter=2, random_seed=seed)
             hook, self._bytes = powerSGD_hook.powerSGD_hook, lambda b: _powersgd_bytes(b, state)

@@ -174,14 +174,24 @@ STEPS, LR = 40, 0.5
 LOSS_TOL = 0.12
 
 
+# PyTorch's hook calls torch.cuda.synchronize(bucket's device) whenever CUDA is available: with CPU tensors on a
+# host with a GPU it fails (seen on an H200 with torch 2.11; the line is in 2.13 too), so no CPU comparison there
+TORCH_HOOK_ON_CPU = not torch.cuda.is_available()
+
+
 @pytest.fixture(scope="module")
 def side_by_side():
     ours = run_ranks(2, jobs.job_train, "powersgd", {}, STEPS, None, 0, LR)
-    torch_hook = run_ranks(2, jobs.job_train_torch, 1, STEPS, 2, 0, LR)
+    torch_hook = run_ranks(2, jobs.job_train_torch, 1, STEPS, 2, 0, LR) if TORCH_HOOK_ON_CPU else None
     many = run_ranks(2, jobs.job_train, "powersgd", {}, STEPS, SEVERAL_BUCKETS_MB, 0, LR)
     return ours, torch_hook, many
 
 
+needs_torch_hook_on_cpu = pytest.mark.skipif(
+    not TORCH_HOOK_ON_CPU, reason="PyTorch's PowerSGD hook cannot run on CPU tensors where CUDA is available")
+
+
+@needs_torch_hook_on_cpu
 def test_same_bytes_per_step_as_pytorch(side_by_side):
     """From step 2 (both compressing) each rank sends what PyTorch's hook sends: for the MLP's three weights
     P (32 + 32 + 10) and Q (20 + 32 + 32) at rank 1, plus the 74 bias entries, in fp32: 928 bytes (dense: 8232)."""
@@ -191,6 +201,7 @@ def test_same_bytes_per_step_as_pytorch(side_by_side):
         assert mine["bytes"][0] == theirs["bytes"][0] == 4 * 2058  # the dense warm-up step
 
 
+@needs_torch_hook_on_cpu
 def test_loss_curve_matches_pytorch(side_by_side):
     ours, torch_hook, _ = side_by_side
     mine = torch.stack([r["losses"] for r in ours]).mean(0)
