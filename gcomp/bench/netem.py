@@ -22,7 +22,8 @@ What is shaped: when a rate is given, a ``tbf`` qdisc sits on the egress of BOTH
 worker's link is limited to the rate in each direction separately (full duplex): what a worker sends is limited
 by its ``eth0``, what it receives by its bridge-side end. A packet from worker a to worker b crosses a's ``eth0``
 and b's bridge-side end, two token buckets at the same rate, so the path runs at the rate. Without a rate the
-links run at memory speed (several Gbit/s, bounded by the CPU).
+links run at memory speed (several Gbit/s, bounded by the CPU). ``ShapedNetwork.set_rate`` changes every tbf
+in place (``tc qdisc change``) while the workers run: a bandwidth schedule (``gcomp.bench.rate_control``).
 
 Measured with ``gcomp.bench.throughput`` (one TCP stream of 32 MB, 2-core machine): about 95 Mbit/s per link
 at ``100mbit`` (TCP/IP headers take the rest of the line rate), about 0.97 Gbit/s at ``1gbit``, 8-14 Gbit/s
@@ -230,6 +231,7 @@ class ShapedNetwork:
             raise ValueError(f"ShapedNetwork: latency_ms must be positive; got {latency_ms!r}")
         self.workers = workers
         self.rate_bps = rate_bps
+        self._burst_given = burst_bytes is not None
         if burst_bytes is None and rate_bps is not None:
             burst_bytes = default_burst_bytes(rate_bps)
         self.burst_bytes = burst_bytes
@@ -296,9 +298,26 @@ class ShapedNetwork:
             self._add_tbf(host_end, None)  # what the worker receives
 
     def _add_tbf(self, device: str, namespace: str | None) -> None:
+        run_command(self._tbf_command("add", device, namespace))
+
+    def _tbf_command(self, verb: str, device: str, namespace: str | None) -> list[str]:
         where = ["-n", namespace] if namespace is not None else []
-        run_command(["tc", *where, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{self.rate_bps}bit",
-              "burst", str(self.burst_bytes), "latency", f"{self.latency_ms:g}ms"])
+        return ["tc", *where, "qdisc", verb, "dev", device, "root", "tbf", "rate", f"{self.rate_bps}bit",
+                "burst", str(self.burst_bytes), "latency", f"{self.latency_ms:g}ms"]
+
+    def set_rate(self, rate_bps: int) -> None:
+        """Every link's rate, both ends, changed in place (``tc qdisc change``) while the workers run; the burst
+        follows the rate unless one was given. For a bandwidth schedule (``gcomp.bench.rate_control``)."""
+        if self.rate_bps is None or not self._active:
+            raise RuntimeError("ShapedNetwork.set_rate: only a shaped network, while entered, has tbf to change")
+        if rate_bps is None or rate_bps <= 0:
+            raise ValueError(f"ShapedNetwork.set_rate: rate_bps must be positive; got {rate_bps!r}")
+        self.rate_bps = rate_bps
+        if not self._burst_given:
+            self.burst_bytes = default_burst_bytes(rate_bps)
+        for i in range(self.workers):
+            run_command(self._tbf_command("change", self.interface, self.namespaces[i]))
+            run_command(self._tbf_command("change", self._host_end(i), None))
 
     # -- using --------------------------------------------------------------------------------------------------
 
