@@ -59,6 +59,9 @@ def _bench(args) -> int:
     targets = sorted({r["target_accuracy"] for r in rows if r.get("target_accuracy") is not None})
     meta = {"config": vars(config), "network": network, "target_accuracy": target, "targets": targets,
             "load_average": load}
+    schedule = config.rate_schedule()
+    if schedule:  # applied only where the links were shaped
+        meta.update(schedule=schedule, schedule_applied=network.startswith("shaped"))
     paths = report.write(rows, out, meta, summary)
     seeds = f", {config.seeds} seeds (median and range)" if config.seeds > 1 else ""
     aim = "none" if not targets else f"{targets[0]:.4f}" + (f"–{targets[-1]:.4f}" if len(targets) > 1 else "")
@@ -68,6 +71,10 @@ def _bench(args) -> int:
         if len(config.bandwidths()) > 1:
             print(f"\n### {bandwidth}")
         print("\n" + report.markdown([e for e in summary if e["bandwidth"] == bandwidth]))
+    segments = report.segment_markdown(rows)
+    if segments:
+        unshaped = "" if meta["schedule_applied"] else " (not applied: the links were unshaped)"
+        print(f"\n### step time per segment of the bandwidth schedule{unshaped}\n\n{segments}")
     print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
     for warning in (race.short_race_warning(rows), report.load_warning(rows, config.workers, load)):
         if warning:
@@ -140,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--model", help="mlp[:W1,W2], resnet18, vgg19, vit or charlm")
     b.add_argument("--workers", type=int)
     b.add_argument("--bandwidth", help="per-link limit: 100mbit, 500mbit, 1gbit, ... or none; a comma-separated "
-                   "list sweeps them (100mbit,500mbit,1gbit)")
+                   "list sweeps them (100mbit,500mbit,1gbit); a list with RATE@STEP is a schedule within every "
+                   "run (1gbit,100mbit@60: 1gbit, then 100mbit from step 60 on; steps increasing, below --steps)")
     b.add_argument("--steps", type=int, help="training steps per method")
     b.add_argument("--batch", type=int, help="batch size per worker")
     b.add_argument("--lr", type=float)

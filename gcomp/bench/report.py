@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 from pathlib import Path
 
 CSV_FIELDS = ("method", "collective", "workers", "model", "dataset", "bandwidth", "seed", "prune_ratio", "steps",
@@ -87,6 +88,31 @@ def markdown(rows: list[dict]) -> str:
         if verdicts:
             line += f" {r.get('vs_allreduce') or '—'} | {r.get('vs_best_torch_hook') or '—'} |"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def segment_markdown(rows: list[dict]) -> str | None:
+    """For a bandwidth schedule: each method's mean step time per segment of the schedule, one column per
+    segment (the median over seeds where there are several); None when no run has segments."""
+    scheduled = [r for r in rows if r.get("segments")]
+    if not scheduled:
+        return None
+    segments = scheduled[0]["segments"]
+    ends = [s["from_step"] for s in segments[1:]] + [scheduled[0]["steps"]]
+    head = "| method | " + " | ".join(f"step ms at {s['rate']} (steps {s['from_step']}–{end - 1})"
+                                     for s, end in zip(segments, ends)) + " |"
+    lines = [head, "|" + " --- |" * (len(segments) + 1)]
+    ratios = {r.get("prune_ratio") for r in scheduled if r.get("prune_ratio") is not None}
+    groups: dict[tuple, list[dict]] = {}
+    for r in scheduled:
+        groups.setdefault((r["method"], r.get("prune_ratio")), []).append(r)
+    for (method, ratio), runs in groups.items():
+        name = method + (f" @{ratio:g}" if len(ratios) > 1 and ratio is not None else "")
+        cells = []
+        for i in range(len(segments)):
+            times = [run["segments"][i]["step_s"] for run in runs if run["segments"][i]["step_s"] is not None]
+            cells.append(_fmt(1000 * statistics.median(times) if times else None, ".1f"))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -5,7 +5,9 @@ Workers are separate processes started with ``python -m gcomp.bench.worker`` and
 127.0.0.1 when unshaped, or each inside its own network namespace behind a shaped veth link
 (``gcomp.bench.netem``) when a bandwidth is given and shaping is permitted here. One launch of the workers per
 bandwidth runs a list of jobs (method, seed, prune ratio): every method for every seed at the first prune
-ratio, and only the methods that prune at the sweep's other ratios (the others do not depend on it).
+ratio, and only the methods that prune at the sweep's other ratios (the others do not depend on it). A bandwidth
+schedule (``gcomp.bench.rate_schedule``) is one launch whose links change rate as the runs go
+(``gcomp.bench.rate_control``).
 
 ``device="cuda"`` puts each worker on ``cuda:LOCAL_RANK`` (pre-training stays on the CPU); ``backend="nccl"``
 needs it and a GPU per worker, and refuses a shaped bandwidth (``BenchConfig.check`` says why).
@@ -26,6 +28,8 @@ from pathlib import Path
 import torch
 
 from gcomp.bench.methods import parse_method
+from gcomp.bench.rate_control import RateController
+from gcomp.bench.rate_schedule import describe_schedule, is_schedule, parse_schedule
 from gcomp.bench.workloads import MODELS, accuracy, load_data, loss_fn, make_model
 
 DEFAULT_METHODS = ("identity", "fp16", "topk:ratio=0.01", "terngrad", "pactrain", "pactrain:ternary=true",
@@ -89,14 +93,17 @@ class BenchConfig:
                              f"{self.prune_ratio!r}")
         if len(set(ratios)) != len(ratios):
             raise ValueError(f"--prune-ratio lists a ratio twice: {self.prune_ratio!r}")
-        rates = self.bandwidths()
-        if len(set(rates)) != len(rates) or not rates:
-            raise ValueError(f"--bandwidth lists a rate twice or none: {self.bandwidth!r}")
-        if len(rates) > 1 and "none" in rates:
-            raise ValueError("--bandwidth: a sweep compares shaped rates; 'none' cannot be one of its points")
         from gcomp.bench import devices, netem
-        for rate in rates:
-            netem.parse_rate(rate)  # a ValueError naming the rate and the form it takes
+        if is_schedule(self.bandwidth):
+            rates = [s.rate for s in parse_schedule(self.bandwidth, self.steps)]  # a ValueError saying what is wrong
+        else:
+            rates = self.bandwidths()
+            if len(set(rates)) != len(rates) or not rates:
+                raise ValueError(f"--bandwidth lists a rate twice or none: {self.bandwidth!r}")
+            if len(rates) > 1 and "none" in rates:
+                raise ValueError("--bandwidth: a sweep compares shaped rates; 'none' cannot be one of its points")
+            for rate in rates:
+                netem.parse_rate(rate)  # a ValueError naming the rate and the form it takes
         devices.check_device(self.device)
         devices.check_backend(self.backend, self.device, self.workers)
         if self.backend == "nccl" and any(netem.parse_rate(rate) is not None for rate in rates):
@@ -129,8 +136,16 @@ class BenchConfig:
                              "(pactrain, prunex): add one")
 
     def bandwidths(self) -> list[str]:
-        """The rates of the comparison: one, or the points of a bandwidth sweep."""
-        return [r.strip() for r in str(self.bandwidth).split(",") if r.strip()]
+        """The rates of the comparison: one, or the points of a bandwidth sweep; a schedule
+        (``gcomp.bench.rate_schedule``) is one point."""
+        entries = [r.strip() for r in str(self.bandwidth).split(",") if r.strip()]
+        return [",".join(entries)] if is_schedule(self.bandwidth) else entries
+
+    def rate_schedule(self) -> list[dict] | None:
+        """The bandwidth schedule's segments (``Segment.as_dict()``), or None for one rate or a sweep."""
+        if not is_schedule(self.bandwidth):
+            return None
+        return [s.as_dict() for s in parse_schedule(self.bandwidth, self.steps)]
 
     def prune_ratios(self) -> list[float]:
         """The prune ratios of the comparison: one, or the points of a prune-ratio sweep."""
@@ -206,28 +221,36 @@ def run(config: BenchConfig, out: Path, log=print) -> tuple[list[dict], str]:
     out.mkdir(parents=True, exist_ok=True)
     pretrained = {seed: str(pretrained_weights(config, log, seed) or "") for seed in config.seed_list()}
     rows, networks = [], []
+    schedule = config.rate_schedule()
     for point, bandwidth in enumerate(config.bandwidths()):
-        rate = netem.parse_rate(bandwidth)
+        rate = schedule[0]["rate_bps"] if schedule else netem.parse_rate(bandwidth)
         network = "unshaped (127.0.0.1)"
         shaped = None
         if rate is not None:
             ok, why = netem.permitted()
             if ok:
                 shaped = netem.ShapedNetwork(config.workers, rate)
-                network = f"shaped: {config.workers} namespaces, veth + tc tbf at {bandwidth} per link"
+                at = f"per link at {describe_schedule(schedule)}" if schedule else f"at {bandwidth} per link"
+                network = f"shaped: {config.workers} namespaces, veth + tc tbf {at}"
             else:
                 log(why)
                 network = f"unshaped (127.0.0.1): {why}"
         if len(config.bandwidths()) > 1:
             log(f"=== bandwidth {bandwidth} ({point + 1} of {len(config.bandwidths())}): {network}")
         settings = asdict(config)
-        settings.update(bandwidth=bandwidth if shaped else "none", bandwidth_bps=rate if shaped else None,
+        # a schedule's runs have no one rate to price them at: no bandwidth_bps, as for unshaped runs
+        settings.update(bandwidth=bandwidth if shaped else "none",
+                        bandwidth_bps=rate if shaped and not schedule else None,
+                        rate_schedule=schedule, rate_schedule_applied=bool(schedule and shaped),
                         split_seed=config.seed, jobs=config.jobs(), pretrained=pretrained,
                         output=str(out / f"rows-{point}.json"))
         config_path = out / f"worker-config-{point}.json"
         config_path.write_text(json.dumps(settings))
         if shaped is None:
             _launch(config, config_path, "127.0.0.1", None)
+        elif schedule:
+            with shaped, RateController(lambda step, rate_bps: shaped.set_rate(rate_bps)) as controller:
+                _launch(config, config_path, shaped.addresses[0], shaped, controller)
         else:
             with shaped:
                 _launch(config, config_path, shaped.addresses[0], shaped)
@@ -243,7 +266,8 @@ def run(config: BenchConfig, out: Path, log=print) -> tuple[list[dict], str]:
     return rows, unique[0] if len(unique) == 1 else "; ".join(unique)
 
 
-def _launch(config: BenchConfig, config_path: Path, master: str, shaped) -> None:
+def _launch(config: BenchConfig, config_path: Path, master: str, shaped,
+            controller: RateController | None = None) -> None:
     port = free_port() if shaped is None else 29500 + os.getpid() % 1000
     procs = []
     try:
@@ -256,7 +280,12 @@ def _launch(config: BenchConfig, config_path: Path, master: str, shaped) -> None
                 # c10d warns, once per worker, that a namespace's address has no host name: true and harmless
                 env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
                 argv = shaped.prefix_command(rank, argv)
-            procs.append(subprocess.Popen(argv, env=env))
+            if controller is not None and rank == 0:  # rank 0 asks the parent for each change of rate
+                env.update(controller.env)
+                procs.append(subprocess.Popen(argv, env=env, pass_fds=controller.child_fds))
+                controller.launched()
+            else:
+                procs.append(subprocess.Popen(argv, env=env))
         failed = [p.wait() for p in procs]
         if any(failed):
             raise RuntimeError(f"benchmark workers failed (exit codes {failed}); see their output above")

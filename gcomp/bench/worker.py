@@ -15,8 +15,9 @@ read off the host clock after ``torch.cuda.synchronize``, so it holds the kernel
 hook's encode and decode timers read the host clock without synchronising (a synchronisation inside the hook
 would stall DDP's overlap): on a GPU they hold the launches, and the kernels' own time lands in communicate.
 
-Test accuracy is measured every ``eval_every`` steps on rank 0, outside the timed steps. Rank 0 writes the
-rows to ``config["output"]``.
+Test accuracy is measured every ``eval_every`` steps on rank 0, outside the timed steps, and so is a bandwidth
+schedule's change of rate (``gcomp.bench.rate_control``; each row then has its ``segments``: the mean step time
+per rate). Rank 0 writes the rows to ``config["output"]``.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 import gcomp
 from gcomp.bench.devices import synchronize, worker_device
 from gcomp.bench.methods import BenchMethod, TorchHook, parse_method
+from gcomp.bench.rate_control import NoSwitch, RateSwitch, worker_switch
+from gcomp.bench.rate_schedule import segment_times
 from gcomp.bench.straggler import ReadyClock, wait_for_peers
 from gcomp.bench.throughput import probe_link, probe_loaded_latency
 from gcomp.collectives.counting import COUNTER_KEYS
@@ -92,7 +95,8 @@ def build(method: BenchMethod, config: dict, data: Data, pretrained: dict | None
 
 
 def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict | None, log,
-               device: torch.device = torch.device("cpu")) -> dict:
+               device: torch.device = torch.device("cpu"), switch: RateSwitch | NoSwitch = NoSwitch()) -> dict:
+    """One job's run; ``switch`` changes the links' rate before the steps a bandwidth schedule names."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ddp, stats = build(method, config, data, pretrained, device)
     ready = ReadyClock(getattr(ddp, "_gcomp_state", None))  # when this rank's buckets were ready, per step
@@ -104,6 +108,9 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
     bar = progress(steps, method.label, rank == 0 and config.get("verbose", True))
     for step in range(steps):
         x, y = next(stream)
+        rate = switch.before_step(step)  # outside the step's time, as evaluations
+        if rate is not None:
+            getattr(bar, "write", log)(f"  {method.label}: links at {rate} from step {step}")
         synchronize(device)  # a host clock times GPU work only once the device has caught up, at both ends
         start = time.perf_counter()
         loss = loss_fn(ddp(x), y)
@@ -127,9 +134,12 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
     wait = wait_for_peers(ready, steps // 2)  # over the steady half, as summarise's figures
     loaded = probe_loaded_latency(lambda: local_work(ddp, opt, stream), device=device)
     dist.barrier()
-    return {**summarise(method, config, times, losses, counters, history, compute, kept, world,
-                        sum(p.numel() for p in model.parameters())), "wait_s_per_step": wait,
-            "alpha_loaded_s": loaded}
+    row = {**summarise(method, config, times, losses, counters, history, compute, kept, world,
+                       sum(p.numel() for p in model.parameters())), "wait_s_per_step": wait,
+           "alpha_loaded_s": loaded}
+    if config.get("rate_schedule"):
+        row["segments"] = segment_times(times, config["rate_schedule"])
+    return row
 
 
 def local_work(ddp, opt, stream) -> None:
@@ -228,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                          device)
         weights = {}
         rows = []
+        switch = worker_switch(config, rank)  # one for every job: it knows the rate the last run left
         for job in config["jobs"]:
             text, seed = job["method"], job["seed"]
             path = config["pretrained"].get(str(seed))
@@ -239,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 tags.append(f"prune ratio {job['prune_ratio']}")
             log(f"== {text}" + (f"  ({', '.join(tags)})" if tags else ""))
             load_start = os.getloadavg()[0]
-            row = run_method(method, {**config, **job}, data, weights.get(path), log, device)
+            row = run_method(method, {**config, **job}, data, weights.get(path), log, device, switch)
             row["device"], row["backend"] = device.type, config.get("backend", "gloo")
             row["link"] = link
             row["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}  # 1 minute, this machine
