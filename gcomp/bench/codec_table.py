@@ -88,7 +88,20 @@ def _holder(name: str, numel: int, generator: torch.Generator) -> nn.Module:
     return layer
 
 
-def _one_rank_group(device: torch.device) -> bool:
+def table_device(device: str | torch.device) -> torch.device:
+    """``device`` with a CUDA device's index filled in (the current one): ``torch.cuda.set_device`` wants it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def bucket_numel(size_mb: float) -> int:
+    """The entries of an fp32 bucket of about ``size_mb`` MiB, whole rows of ``ROW_WIDTH``, one row at least."""
+    return max(ROW_WIDTH, int(size_mb * 2**20) // 4 // ROW_WIDTH * ROW_WIDTH)
+
+
+def one_rank_group(device: torch.device) -> bool:
     """Start a one-rank group (gloo; NCCL for a CUDA device) unless one is running; True when this call
     started it."""
     if dist.is_initialized():
@@ -164,14 +177,14 @@ def floor(name: str, bits_per_entry: float, residual: bool) -> float:
 
 def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, log=print,
         device: str = "cpu") -> list[dict]:
-    device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-    started = _one_rank_group(device)
+    device = table_device(device)
+    started = one_rank_group(device)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         rows = []
         for size in sizes_mb:
-            numel = max(ROW_WIDTH, int(size * 2**20) // 4 // ROW_WIDTH * ROW_WIDTH)
+            numel = bucket_numel(size)
             for name in methods or gcomp.available():
                 try:
                     rows.append(measure(name, numel, repeats, torch.Generator().manual_seed(seed), device))

@@ -55,11 +55,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    numel = codec_table.ROW_WIDTH * max(1, int(args.size_mb * 2**20 / 4) // codec_table.ROW_WIDTH)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:  # torch.cuda.set_device wants an index
-        device = torch.device("cuda", torch.cuda.current_device())
-    started = codec_table._one_rank_group(device)
+    numel = codec_table.bucket_numel(args.size_mb)
+    device = codec_table.table_device(args.device)
+    started = codec_table.one_rank_group(device)
     try:
         for name in args.method or available():
             try:
