@@ -18,7 +18,8 @@ from gcomp.compressors.quantise import RankGenerator, rank_and_world
 from gcomp.core import ALLREDUCE, MAX, SUM, Method, Payload, check_state
 from gcomp.memory import NoMemory
 from gcomp.params import Range
-from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker, host_flag
+from gcomp.packing.host_flags import host_flag
+from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker
 from gcomp.registry import register
 
 TERNARY = "ternary"  # two rounds: the exact shared scale first

@@ -18,7 +18,8 @@ from gcomp.collectives import bitpack
 from gcomp.compressors import bernoulli, scale_grid
 from gcomp.compressors.quantise import per_segment_, segment_scales
 from gcomp.core import Payload
-from gcomp.packing.tracker import BucketTrack, read_host_flag
+from gcomp.packing.host_flags import read_host_flag
+from gcomp.packing.tracker import BucketTrack
 
 FLAGS = 3  # the one-round payload's last int64 words: ranks with a non-finite value, with changed masks, asking a resync
 

@@ -4,7 +4,8 @@
   positions) and ``bucket_support`` builds a bucket's flat support from its parameters' masks;
 - ``groups``: ``GroupSupport`` keeps whole filters and channels (one index per group, none per entry);
 - ``tracker``: ``MaskTracker``, the per-bucket state machine that decides, from what every rank shares,
-  when a bucket's support is stable and agreed on, so that it may travel packed.
+  when a bucket's support is stable and agreed on, so that it may travel packed; ``host_flags``: the flags
+  it receives, read at the next step; ``sync_bumps``: DDP's buffer broadcasts told from mask edits.
 
 The masks themselves come from ``gcomp.pruning`` (the floor below: it imports nothing from here).
 """

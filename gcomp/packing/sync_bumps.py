@@ -46,6 +46,10 @@ class SyncBumps:
         """The bumps of ``mask``'s ``_version`` that DDP's broadcast made."""
         return self.bumps.get(id(mask), 0)
 
+    def version_of(self, mask: torch.Tensor) -> tuple[int, int]:
+        """``mask``'s identity and its version less DDP's bumps: what replacing or editing it changes."""
+        return id(mask), mask._version - self.discount(mask)
+
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()

@@ -42,6 +42,7 @@ from gcomp.core import check_state
 from gcomp.packing.groups import GroupSupport
 from gcomp.pruning.masks import mask_of, masks_digest, named_masks, parameter_of
 from gcomp.packing.support import Support, SupportIndex, bucket_support
+from gcomp.packing.host_flags import host_flag, read_host_flag
 from gcomp.packing.sync_bumps import SyncBumps
 
 TRACKING, PACKED, DENSE = "tracking", "packed", "dense"
@@ -95,7 +96,7 @@ class MaskTracker:
     def bind(self, model: nn.Module | None, stats: dict) -> None:
         self.model, self.stats = model, stats
         masks = named_masks(model) if model is not None else {}
-        self._installed = {name: self._version_of(mask) for name, mask in masks.items()}
+        self._installed = {name: self.sync_bumps.version_of(mask) for name, mask in masks.items()}
         # prunex is installed before its structured prune (ADMM's hard prune, mid-training): no warning there
         if model is not None and self.label == "pactrain" and not masks:
             warnings.warn(f"{self.label}: the model has no pruning masks (torch.nn.utils.prune), so every bucket "
@@ -124,11 +125,7 @@ class MaskTracker:
         return [mask_of(self.model, name) for name in info.names]
 
     def _signature(self, info: BucketInfo) -> tuple:
-        return tuple(None if m is None else self._version_of(m) for m in self._masks(info))
-
-    def _version_of(self, mask: torch.Tensor) -> tuple[int, int]:
-        """A mask's identity and its version less the bumps of DDP's buffer broadcast: what an edit changes."""
-        return id(mask), mask._version - self.sync_bumps.discount(mask)
+        return tuple(None if m is None else self.sync_bumps.version_of(m) for m in self._masks(info))
 
     def _build(self, info: BucketInfo, device, masks: list | None = None) -> Support:
         params = []
@@ -166,11 +163,8 @@ class MaskTracker:
             changed_here |= self._edited_in_place(info, track)
         pending, track.pending = track.pending, None
         any_changed, agree = True, False
-        if pending is not None:
-            host, copied = pending
-            if copied is not None:
-                copied.synchronize()  # waits for that one copy, issued a step ago, not for the current stream
-            any_changed, agree = (bool(v) for v in host.tolist())
+        if pending is not None:  # its copy was issued a step ago
+            any_changed, agree = (bool(v) for v in read_host_flag(pending).tolist())
 
         if track.mode == PACKED and any_changed:
             self._count("unfreezes")
@@ -247,10 +241,7 @@ class MaskTracker:
         for key, t in self.tracks.items():
             entry = {"mode": t.mode, "stable": t.stable}
             if t.pending is not None:
-                host, copied = t.pending
-                if copied is not None:
-                    copied.synchronize()
-                entry["pending"] = host.clone()
+                entry["pending"] = read_host_flag(t.pending).clone()
             support = t.support if t.support is not None else t.candidate
             if support is not None:
                 entry["digest"] = support.digest.cpu()
@@ -303,12 +294,12 @@ class MaskTracker:
         # a rank that offered no candidate (count 0) beside one that did: its masks changed since install,
         # so this counts as a change (tracking restarts), not as ranks holding different masks
         offered_by_some = (flags[2] > 0) & (flags[4] == 0)
-        track.pending = _to_host(torch.stack([(flags[0] > 0) | offered_by_some, agree]))
+        track.pending = host_flag(torch.stack([(flags[0] > 0) | offered_by_some, agree]))
 
     @staticmethod
     def receive_changed(track: BucketTrack, changed: torch.Tensor) -> None:
         """Keep a packed step's count of ranks whose masks changed (digests agreed when it froze)."""
-        track.pending = _to_host(torch.stack([changed.reshape(()) > 0, torch.ones_like(changed.reshape(()) > 0)]))
+        track.pending = host_flag(torch.stack([changed.reshape(()) > 0, torch.ones_like(changed.reshape(()) > 0)]))
 
 
 def _check_track(where: str, entry) -> None:
@@ -330,27 +321,3 @@ def _check_track(where: str, entry) -> None:
     if "residual" in entry and not bool(torch.isfinite(entry["residual"]).all()):
         raise ValueError(f"{where}: 'residual' holds non-finite values")
 
-
-def _to_host(flags: torch.Tensor) -> tuple:
-    """A host copy of two flags; on a GPU an asynchronous one into pinned memory, with an event to wait on."""
-    if flags.device.type != "cuda":
-        return flags, None
-    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-    host.copy_(flags, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return host, copied
-
-
-def host_flag(flags: torch.Tensor) -> tuple:
-    """``flags`` on their way to the host, to be read at the next step (``read_host_flag``): on a GPU an
-    asynchronous copy, so that the step that receives them never waits on it."""
-    return _to_host(flags)
-
-
-def read_host_flag(pending: tuple) -> torch.Tensor:
-    """The host copy of what ``host_flag`` sent, once its copy is done."""
-    host, copied = pending
-    if copied is not None:
-        copied.synchronize()
-    return host
