@@ -27,8 +27,12 @@ class SyncBumps:
         self._handles: list = []
 
     def watch(self, ddp: nn.Module) -> None:
-        """Count the bumps made between ``ddp``'s forward and its module's (its buffer broadcast)."""
+        """Count the bumps made between ``ddp``'s forward and its module's (its buffer broadcast); nothing to
+        count, and no hook, when ``ddp`` does not re-send buffers at each forward (``no_buffer_sync()``:
+        ``broadcast_buffers`` reads False, on torch 2.13 too, where it stands for ``forward_sync_buffers``)."""
         self.close()
+        if not getattr(ddp, "broadcast_buffers", True):
+            return
         module = ddp.module
 
         def before(_module, _inputs):

@@ -77,3 +77,12 @@ def test_a_copy_watches_nothing():
     bumps.watch(BroadcastingWrapper(model))
     for twin in (copy.deepcopy(bumps), pickle.loads(pickle.dumps(bumps))):
         assert twin.bumps == {} and twin._handles == []
+
+
+def test_a_model_that_does_not_resend_its_buffers_gets_no_hooks():
+    model = _pruned()
+    wrapper = BroadcastingWrapper(model)
+    wrapper.broadcast_buffers = False  # as DDP built with no_buffer_sync() reads
+    bumps = SyncBumps()
+    bumps.watch(wrapper)
+    assert bumps._handles == [] and not wrapper._forward_pre_hooks and not model._forward_pre_hooks
