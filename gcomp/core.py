@@ -187,6 +187,9 @@ class Compressor(_Checkpointed, ABC):
     # True when the codec reads the model it is bound to (PacTrain reads its pruning masks): a hook state that
     # knows no model (``gcomp.comm_hook`` without ``model=``) warns, since the codec then sends dense.
     reads_model: ClassVar[bool] = False
+    # True when the codec itself keeps gradient it did not send, for later steps (error feedback inside the
+    # codec: PowerSGD's error, DGC's velocity); ``flush`` then hands it back.
+    holds_gradient: ClassVar[bool] = False
 
     def bind(self, model: torch.nn.Module | None, group: dist.ProcessGroup | None, stats: dict) -> None:
         """Called once when the hook is set up, with the DDP model's module, the process group and the hook's
@@ -216,6 +219,13 @@ class Compressor(_Checkpointed, ABC):
     @abstractmethod
     def decompress(self, tensors: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
         """Decode one payload, or for ``allreduce`` codecs the element-wise reduction of all ranks' payloads."""
+
+    def flush(self, bucket: BucketInfo, like: torch.Tensor) -> torch.Tensor | None:
+        """The gradient this codec holds back for ``bucket`` (flat, laid out like it and of ``like``'s dtype and
+        device, ``like`` being the bucket's gradient), removed from its state, so
+        that another method can send it (``auto`` switching methods); None when it holds none. Codecs with
+        ``holds_gradient`` override it."""
+        return None
 
     def residual_into(self, out: torch.Tensor, tensor: torch.Tensor, payload: Payload) -> bool:
         """Optional fast path of ``Memory.update``: write ``tensor - decompress(payload)`` into ``out`` (``tensor``'s
@@ -263,6 +273,11 @@ class Memory(_Checkpointed, ABC):
     def update(self, tensor: torch.Tensor, bucket: BucketInfo, compressor: Compressor, payload: Payload) -> None:
         """Store what ``payload`` does not carry of ``tensor`` (``compressor.residual_into``, or else
         ``compressor.decompress`` of it, tells)."""
+
+    def flush(self, bucket: BucketInfo, like: torch.Tensor) -> torch.Tensor | None:
+        """What is held back for ``bucket`` (flat, laid out like it and like ``like``, its gradient), removed, so that another method sends it
+        (``auto`` switching methods); None when nothing is held, the default."""
+        return None
 
 
 class Communicator(ABC):

@@ -95,6 +95,17 @@ class ResidualMemory(KeptInBucketState, Memory):
         self._zeros.pop(bucket.key, None)
         self._state.put(bucket, {"residuals": torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)})
 
+    def flush(self, bucket: BucketInfo, like: torch.Tensor) -> torch.Tensor | None:
+        held = self._find(bucket, like)
+        if held is None:
+            return None
+        residual = held["residuals"].clone()  # the kept one may be a compensated bucket still being read
+        zeros = self._zeros.pop(bucket.key, None)
+        if zeros is not None:
+            residual.index_fill_(0, zeros, 0)
+        self._state.put(bucket, {"residuals": torch.zeros_like(residual)})
+        return residual
+
     def _find(self, bucket: BucketInfo, like: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """``BucketState.find``, once the zeros owed are written wherever a new layout would split residuals."""
         if self._zeros and not self._state.has(bucket):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from gcomp.core import ALLGATHER, ALLREDUCE
+from gcomp.core import ALLGATHER, ALLREDUCE, Compressor
 from gcomp.registry import create, parse_spec
 
 EXACT = ("identity",)  # pactrain joins them on a pruned model: its packed sum is the dense one's, losslessly
@@ -18,8 +18,9 @@ def allowed_methods(allow: str | Sequence[str], pruned: bool) -> list[str]:
     ``pactrain`` when ``pruned``: both equal a dense all-reduce up to summation order), ``"half"`` (those and
     ``fp16``, ``bf16``), or ``allow`` itself, a list of method specs, each checked here as ``gcomp.create``
     checks it (an unknown name names the closest ones). Raises ``ValueError`` for anything else: a preset
-    misspelt, an empty list, a spec twice, ``auto`` itself, or a method whose collective the choice cannot
-    price (point-to-point schedules, hierarchical ones)."""
+    misspelt, an empty list, a spec twice, ``auto`` itself, a method whose collective the choice cannot
+    price (point-to-point schedules, hierarchical ones), or one whose codec holds back gradient it cannot hand
+    over at a switch (``Compressor.flush``)."""
     if isinstance(allow, str):
         if allow not in PRESETS:
             raise ValueError(f"auto: allow must be one of {', '.join(map(repr, PRESETS))} or a list of method "
@@ -42,4 +43,8 @@ def allowed_methods(allow: str | Sequence[str], pruned: bool) -> list[str]:
         if method.communicator.collective not in PRICED:
             raise ValueError(f"auto: allow entry {text!r} runs the {method.communicator.collective!r} collective, "
                              f"which auto cannot price yet; it chooses among {' and '.join(PRICED)} methods")
+        codec = method.compressor
+        if codec.holds_gradient and type(codec).flush is Compressor.flush:
+            raise ValueError(f"auto: allow entry {text!r} keeps gradient it did not send inside its codec and cannot "
+                             "hand it to another method at a switch; leave its error feedback off")
     return specs

@@ -40,6 +40,7 @@ class DGCCompressor(SparseCompressor):
     """
 
     stateful = True
+    holds_gradient = True  # the velocity: what was accumulated and not sent yet
     distinct_positions = False  # empty slots repeat position 0
 
     def __init__(self, ratio: float, momentum: float, nesterov: bool, masking: bool, clip_norm: float,
@@ -93,6 +94,16 @@ class DGCCompressor(SparseCompressor):
             torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
         index = torch.where(index < n, index, 0)  # an empty slot adds a zero at position 0
         return self.sparse_payload(values, index, tensor, bucket)
+
+    def flush(self, bucket, like):
+        """The velocity of ``bucket`` (accumulated, not sent), handed back; velocity and momentum start over."""
+        buffers = self.state.find(bucket, like)
+        if buffers is None:
+            return None
+        velocity = buffers["velocity"][:like.numel()].clone()
+        for name in _BUFFERS:
+            buffers[name].zero_()
+        return velocity
 
     def _clip(self, tensor: torch.Tensor, bucket: BucketInfo) -> torch.Tensor:
         """Each parameter's local gradient (``world * tensor``) clipped to norm ``clip_norm / sqrt(world)``."""

@@ -74,6 +74,7 @@ class PacTrainCompressor(TernaryPath, ChainedCompressor):
             raise ValueError(f"rounds must be 1 or 2, got {rounds!r}")
         self.tracker = MaskTracker(stable_steps, dense_above, granularity, check_every)
         self.ternary, self.clip, self.error_feedback, self.seed = ternary, clip, error_feedback, seed
+        self.holds_gradient = ternary and error_feedback  # residuals of the packed entries (no flush yet)
         self.rounds = rounds
         self.lossless = not ternary
         self.world_size, self.rank = 1, 0

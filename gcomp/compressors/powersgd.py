@@ -99,6 +99,7 @@ class PowerSGDCompressor(ChainedCompressor):
         # ``approx_rank``, since a rank everywhere else in gcomp is a process's
         self.approx_rank, self.min_compression_rate = rank, min_compression_rate
         self.error_feedback, self.warm_start, self.seed = error_feedback, warm_start, seed
+        self.holds_gradient = error_feedback
         # fresh queries when warm_start is off, the same on every rank
         self.generator = torch.Generator().manual_seed(stream_seed(seed, "powersgd"))
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -204,6 +205,16 @@ class PowerSGDCompressor(ChainedCompressor):
             ctx.compensated.append(matrix)
         q_buffer = torch.zeros(plan.q_numel, dtype=cdtype, device=tensor.device)
         return Payload([round1, q_buffer], ctx)
+
+    def flush(self, bucket, like):
+        """The errors of ``bucket``'s compressed matrices, laid out in the bucket (zeros elsewhere), forgotten."""
+        held = [(mat, self._errors.pop(mat.name)) for mat in self._plan(bucket).matrices if mat.name in self._errors]
+        if not held:
+            return None
+        out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        for mat, error in held:  # a loop over parameters, not entries
+            out[mat.offset:mat.offset + mat.n * mat.m].copy_(error.reshape(-1))
+        return out
 
     def second_round(self, payload: Payload) -> None:
         """With ``tensors[0]`` holding the summed P: orthogonalise it in place, fill ``tensors[1]`` with this rank's
