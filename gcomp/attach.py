@@ -1,5 +1,6 @@
 """Making a hook state and putting it on a DDP model: ``gcomp.comm_hook`` for trainers that register the hook
-themselves, ``gcomp.install`` for a DDP model at hand (``gcomp.hook`` holds the hook and its state)."""
+themselves, ``gcomp.install`` for a DDP model at hand (``gcomp.hook`` holds the hook and its state), or for a
+``fully_shard``-ed model (FSDP2: ``gcomp.fsdp`` puts a gcomp reduce-scatter on each of its FSDP modules)."""
 from __future__ import annotations
 
 import logging
@@ -7,6 +8,7 @@ from typing import Callable, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from gcomp.core import Method
@@ -48,6 +50,10 @@ def install(ddp_model: DistributedDataParallel, name_or_method: Union[str, Metho
             **params) -> HookState | None:
     """Register gcomp's communication hook on a DDP model and return its state.
 
+    A ``fully_shard``-ed model (FSDP2's ``FSDPModule``, the root of the tree) gets gcomp's reduce-scatter on every
+    FSDP module instead, and an ``FSDPState`` is returned (``gcomp.fsdp``); methods without an FSDP codec are
+    refused there, naming those that have one (``gcomp.fsdp.fsdp_methods()``).
+
     ``name_or_method`` is a registered name (``params`` go to ``gcomp.create``) or a ``Method`` built by hand.
     Collectives run on ``process_group``, by default the DDP model's own. A ``torch.compile``d DDP model is
     unwrapped: the hook goes on the DDP model inside.
@@ -60,6 +66,11 @@ def install(ddp_model: DistributedDataParallel, name_or_method: Union[str, Metho
     inner = getattr(ddp_model, "_orig_mod", None)  # torch.compile's OptimizedModule wraps the DDP model
     if isinstance(inner, DistributedDataParallel):
         ddp_model = inner  # the hook lives on DDP's reducer, which the compiled module runs as it is
+    if isinstance(inner, FSDPModule):
+        ddp_model = inner
+    if isinstance(ddp_model, FSDPModule):
+        from gcomp.fsdp.install import install_fsdp  # FSDP2's own modules load only when used
+        return install_fsdp(ddp_model, make_method(name_or_method, params), process_group)
     if not isinstance(ddp_model, DistributedDataParallel):
         alone = not dist.is_initialized() or dist.get_world_size() == 1
         if if_distributed and alone and isinstance(ddp_model, torch.nn.Module):

@@ -1,0 +1,13 @@
+"""gcomp under FSDP2 (``fully_shard``): the methods that can serve its reduce-scatter, installed by ``gcomp.install``.
+
+- ``layout``: where each parameter lies in FSDP's flat, shard-major reduce-scatter input;
+- ``codec``: the ``ShardedCodec`` interface and which methods have one (``fsdp_methods``);
+- ``dense`` (identity, fp16, bf16), ``randomk``, ``spardl``, ``pactrain`` (+ ``support``): the codecs;
+- ``comm``: the ``ReduceScatter`` put on each FSDP module; ``state``: ``FSDPState`` (stats, checkpoints);
+- ``install``: ``install_fsdp``, which ``gcomp.install`` calls for an ``FSDPModule``.
+"""
+from gcomp.fsdp.codec import fsdp_methods
+from gcomp.fsdp.install import install_fsdp
+from gcomp.fsdp.state import FSDPState
+
+__all__ = ["FSDPState", "fsdp_methods", "install_fsdp"]

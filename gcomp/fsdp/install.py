@@ -1,0 +1,66 @@
+"""``gcomp.install`` on a ``fully_shard``-ed model: one ``FSDPState``, a ``GcompReduceScatter`` on every FSDP module."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from gcomp.core import Method
+from gcomp.fsdp.codec import codec_for
+from gcomp.fsdp.comm import GcompReduceScatter
+from gcomp.fsdp.layout import ShardLayout
+from gcomp.fsdp.state import FSDPState
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
+    """The FSDP modules of the tree that hold parameters, in ``model.modules()`` order."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
+            out.append(module)
+    return out
+
+
+def install_fsdp(model: FSDPModule, method: Method, process_group: dist.ProcessGroup | None = None) -> FSDPState:
+    """Put gcomp's reduce-scatter for ``method`` on every FSDP module of ``model`` (the root ``fully_shard``-ed
+    module); returns the state. Refuses methods without an FSDP codec, native HSDP, and a second install."""
+    if getattr(model, "_gcomp_state", None) is not None:
+        raise RuntimeError(f"a gcomp method ({model._gcomp_state.method.name}) is already installed on this "
+                           "fully_shard-ed model")
+    codec = codec_for(method)
+    modules = fsdp_modules(model)
+    if not modules:
+        raise ValueError("gcomp.install: this fully_shard-ed model has no FSDP module holding parameters")
+    groups = []
+    for module in modules:
+        param_groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(param_groups) > 1:
+            raise ValueError("gcomp.install: an FSDP module with several parameter groups (shard_placement_fn with "
+                             "per-parameter meshes) takes no custom reduce-scatter (FSDP2's own limit)")
+        if param_groups[0]._is_hsdp:
+            raise ValueError("gcomp.install: native HSDP (fully_shard on a 2-D mesh) all-reduces across replicas "
+                             "itself, which a gcomp method cannot replace; shard on mesh['shard'] only and pass "
+                             "replicate_group=mesh['replicate'].get_group() to gcomp.install (gcomp.fsdp.hsdp)")
+        groups.append(param_groups[0].mesh_info.shard_process_group)
+    group = groups[0]
+    ranks = dist.get_process_group_ranks(group)
+    if any(dist.get_process_group_ranks(g) != ranks for g in groups):
+        raise ValueError("gcomp.install: the FSDP modules of this model shard over different process groups")
+    if process_group is not None and sorted(dist.get_process_group_ranks(process_group)) != sorted(ranks):
+        raise ValueError(f"gcomp.install: process_group has ranks {dist.get_process_group_ranks(process_group)}, "
+                         f"the model's FSDP modules shard over {ranks}; pass process_group=None")
+    names = {id(p): n for n, p in model.named_parameters()}
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    layouts = []
+    for index, module in enumerate(modules):
+        params = [p for p in module._get_fsdp_state()._fsdp_param_group.fsdp_params if p.sharded_param.requires_grad]
+        layouts.append(ShardLayout(index, tuple(names[id(p.sharded_param)] for p in params),
+                                   tuple(p.sharded_param.size() for p in params), world, rank, torch.float32))
+    state = FSDPState(method, codec, model, group, layouts)
+    state.comms = []
+    for index, module in enumerate(modules):
+        comm = GcompReduceScatter(state, module, index, names)
+        module.set_custom_reduce_scatter(comm)
+        state.comms.append(comm)
+    model._gcomp_state = state
+    return state
