@@ -42,6 +42,11 @@ def _bench(args) -> int:
             setattr(config, key, value)
     if args.method:
         config.methods = [m for item in args.method for m in item.split(";") if m]
+    if args.fsdp:
+        from gcomp.bench import fsdp
+        config.fsdp = True
+        if not args.method:
+            config.methods = list(fsdp.DEFAULT_METHODS)
     if config.backend == "nccl" and args.bandwidth is None:
         config.bandwidth = "none"  # tc shapes TCP links, not NCCL's (runner.BenchConfig.check says why)
     out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
@@ -165,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--data-dir", dest="data_dir", help="where cifar10/cifar100 lie (python-pickle format)")
     b.add_argument("--cache-dir", dest="cache_dir", help="pre-trained weights cache (default ~/.cache/gcomp)")
     b.add_argument("--out", help="results folder (default bench-results/DATE-TIME)")
+    b.add_argument("--fsdp", action="store_true", help="the race under FSDP2 (fully_shard) instead of DDP, for the "
+                   "methods that support it; torch:allreduce is plain FSDP2 there (default methods: "
+                   "torch:allreduce, identity, fp16, pactrain, spardl)")
     b.add_argument("--codec", action="store_true", help="instead: every method's encode+decode and reduction "
                    "time on one rank as a ratio to a copy of the bucket, GB/s, bits per entry and peak extra memory")
     b.add_argument("--device", choices=["cpu", "cuda"], help="where tensors live: cpu (the default) or cuda (one "

@@ -72,6 +72,7 @@ class BenchConfig:
     verbose: bool = True
     device: str = "cpu"  # or "cuda": worker LOCAL_RANK on cuda:LOCAL_RANK (gcomp.bench.devices)
     backend: str = "gloo"  # or "nccl": CUDA only, one GPU per worker, no shaping
+    fsdp: bool = False  # the race under FSDP2 (fully_shard) instead of DDP: gcomp.bench.fsdp
 
     def check(self) -> None:
         """Every setting checked before anything starts: a ValueError naming the setting and what it takes."""
@@ -131,6 +132,9 @@ class BenchConfig:
         if not self.methods:
             raise ValueError("no method to compare: --method takes a name or name:key=value")
         methods = [parse_method(text) for text in self.methods]
+        if self.fsdp:
+            from gcomp.bench import fsdp
+            fsdp.check_methods(self.methods)
         if len(ratios) > 1 and not any(m.prunes for m in methods):
             raise ValueError(f"--prune-ratio sweeps {len(ratios)} ratios, but no method compared prunes "
                              "(pactrain, prunex): add one")

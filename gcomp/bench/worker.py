@@ -82,6 +82,10 @@ def build(method: BenchMethod, config: dict, data: Data, pretrained: dict | None
     if method.prunes:
         prune(model, config["prune_ratio"], config["prune_method"], data=(data.train[0][:512], data.train[1][:512]),
               seed=config["seed"])
+    if config.get("fsdp"):  # gcomp bench --fsdp: FSDP2 instead of DDP (gcomp.bench.fsdp)
+        from gcomp.bench import fsdp
+        sharded = fsdp.shard(model, device)
+        return model, sharded, fsdp.install(method, sharded)
     # no_buffer_sync() for every method: DDP would otherwise re-send every pruning mask (as large as the weights)
     # from rank 0 at each forward; prune() already made the masks equal on every rank.
     ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
@@ -99,7 +103,8 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
     """One job's run; ``switch`` changes the links' rate before the steps a bandwidth schedule names."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ddp, stats = build(method, config, data, pretrained, device)
-    ready = ReadyClock(getattr(ddp, "_gcomp_state", None))  # when this rank's buckets were ready, per step
+    fsdp = bool(config.get("fsdp"))
+    ready = ReadyClock(None if fsdp else getattr(ddp, "_gcomp_state", None))  # when this rank's buckets were ready, per step
     opt = torch.optim.SGD(ddp.parameters(), lr=config["lr"], momentum=config["momentum"])
     stream = batches(data, rank, world, config["batch"], config["seed"])
     steps, kept = config["steps"], kept_fraction(model)
@@ -124,8 +129,10 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
         losses.append(loss.detach())
         counters.append({k: stats[k] for k in COUNTERS + LAUNCHED if k in stats})
         bar.update()
-        if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
+        if (rank == 0 or fsdp) and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            # a sharded model's forward all-gathers its parameters: every rank evaluates with rank 0
             history.append({"step": step + 1, "train_s": clock, "accuracy": accuracy(model, data.test)})
+        if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
             ms = 1000 * statistics.mean(times[-eval_every:])
             getattr(bar, "write", log)(f"  {method.label}: step {step + 1}/{steps}  {ms:.1f} ms/step  "
                                        f"test accuracy {history[-1]['accuracy']:.4f}")
@@ -146,9 +153,17 @@ def local_work(ddp, opt, stream) -> None:
     """Forward and backward of one batch with no communication (``no_sync``); the gradients are dropped and
     the model does not move."""
     x, y = next(stream)
-    with ddp.no_sync():
+    with no_sync(ddp):
         loss_fn(ddp(x), y).backward()
     opt.zero_grad()
+
+
+def no_sync(model):
+    """No gradient communication for one forward and backward: DDP's ``no_sync``, or FSDP2's (``gcomp bench --fsdp``)."""
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    from gcomp.bench import fsdp
+    return fsdp.no_sync(model)
 
 
 class _NoBar:
@@ -181,7 +196,7 @@ def compute_time(ddp, opt, stream, device: torch.device = torch.device("cpu")) -
         x, y = next(stream)
         synchronize(device)
         start = time.perf_counter()
-        with ddp.no_sync():
+        with no_sync(ddp):
             loss = loss_fn(ddp(x), y)
             opt.zero_grad()
             loss.backward()
