@@ -4,10 +4,12 @@
 - ``codec``: the ``ShardedCodec`` interface and which methods have one (``fsdp_methods``);
 - ``dense`` (identity, fp16, bf16), ``randomk``, ``spardl``, ``pactrain`` (+ ``support``): the codecs;
 - ``comm``: the ``ReduceScatter`` put on each FSDP module; ``state``: ``FSDPState`` (stats, checkpoints);
-- ``install``: ``install_fsdp``, which ``gcomp.install`` calls for an ``FSDPModule``.
+- ``install``: ``install_fsdp``, which ``gcomp.install`` calls for an ``FSDPModule``;
+- ``hsdp``: ``replicate``, the cross-replica all-reduce of HSDP through a gcomp method.
 """
 from gcomp.fsdp.codec import fsdp_methods
+from gcomp.fsdp.hsdp import ReplicaState, replicate
 from gcomp.fsdp.install import install_fsdp
 from gcomp.fsdp.state import FSDPState
 
-__all__ = ["FSDPState", "fsdp_methods", "install_fsdp"]
+__all__ = ["FSDPState", "ReplicaState", "fsdp_methods", "install_fsdp", "replicate"]

@@ -39,8 +39,8 @@ def install_fsdp(model: FSDPModule, method: Method, process_group: dist.ProcessG
                              "per-parameter meshes) takes no custom reduce-scatter (FSDP2's own limit)")
         if param_groups[0]._is_hsdp:
             raise ValueError("gcomp.install: native HSDP (fully_shard on a 2-D mesh) all-reduces across replicas "
-                             "itself, which a gcomp method cannot replace; shard on mesh['shard'] only and pass "
-                             "replicate_group=mesh['replicate'].get_group() to gcomp.install (gcomp.fsdp.hsdp)")
+                             "itself, which a gcomp method cannot replace; shard on mesh['shard'] only, install, then "
+                             "gcomp.fsdp.replicate(state, mesh['replicate'].get_group(), name) (gcomp.fsdp.hsdp)")
         groups.append(param_groups[0].mesh_info.shard_process_group)
     group = groups[0]
     ranks = dist.get_process_group_ranks(group)
@@ -57,9 +57,10 @@ def install_fsdp(model: FSDPModule, method: Method, process_group: dist.ProcessG
         layouts.append(ShardLayout(index, tuple(names[id(p.sharded_param)] for p in params),
                                    tuple(p.sharded_param.size() for p in params), world, rank, torch.float32))
     state = FSDPState(method, codec, model, group, layouts)
-    state.comms = []
+    state.comms, state.replica = [], None
     for index, module in enumerate(modules):
         comm = GcompReduceScatter(state, module, index, names)
+        comm.static_layout = layouts[index]
         module.set_custom_reduce_scatter(comm)
         state.comms.append(comm)
     model._gcomp_state = state

@@ -15,7 +15,40 @@ from gcomp.fsdp.layout import ShardLayout
 from gcomp.hook import _STAT_KEYS
 
 
-class FSDPState:
+class SavedState:
+    """Checkpoints in ``HookState``'s format (``gcomp.checkpoint``) for a state with ``method``, ``rank``,
+    ``world_size``, ``group``, ``iteration``, ``stats``, ``_stat_keys`` and ``_numels`` (per-parameter names)."""
+
+    def state_dict(self) -> dict:
+        """This rank's state, filed under its rank (``gcomp.checkpoint``); ``gather_state_dict`` holds every rank's."""
+        part = {"stats": dict(self.stats), "memory": self.method.memory.state_dict(),
+                "compressor": self.method.compressor.state_dict()}
+        return {"format": checkpoint.STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
+                "world_size": self.world_size, "iteration": self.iteration,
+                "ranks": {checkpoint.rank_key(self.rank): checkpoint.pack(part)}}
+
+    def gather_state_dict(self) -> dict:
+        """Every rank's state in one object (a collective: call it on every rank)."""
+        state = self.state_dict()
+        parts = [None] * self.world_size
+        dist.all_gather_object(parts, state["ranks"][checkpoint.rank_key(self.rank)], group=self.group)
+        state["ranks"] = {checkpoint.rank_key(r): b for r, b in enumerate(parts)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()`` or ``gather_state_dict()``: this rank's own part, checked before anything is
+        loaded (``HookState.load_state_dict``'s rules; a ValueError names the key)."""
+        checkpoint.check_header(state, self.method)
+        part = checkpoint.own_part(state, self.method, self.rank, self.world_size)
+        checkpoint.check_stats(part["stats"])
+        checkpoint.check_parameter_tensors(self.method, part, self._numels)
+        self.method.memory.load_state_dict(part["memory"])
+        self.method.compressor.load_state_dict(part["compressor"])
+        self.iteration = state["iteration"]
+        self.stats.update({k: part["stats"].get(k, 0) for k in self._stat_keys})
+
+
+class FSDPState(SavedState):
     """The state of gcomp's reduce-scatter on every FSDP module of one ``fully_shard``-ed model (made by
     ``gcomp.install``): the method, its FSDP codec (``gcomp.fsdp.codec``), statistics and checkpoints.
 
@@ -87,33 +120,3 @@ class FSDPState:
         self.codec.reduce_scatter(output, input, layout, group, stats)
         if divisor is not None and not self.codec.prescale:
             output.div_(divisor)
-
-    # --- checkpoints: HookState's format ----------------------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        """This rank's state, filed under its rank (``gcomp.checkpoint``); ``gather_state_dict`` holds every rank's."""
-        part = {"stats": dict(self.stats), "memory": self.method.memory.state_dict(),
-                "compressor": self.method.compressor.state_dict()}
-        return {"format": checkpoint.STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
-                "world_size": self.world_size, "iteration": self.iteration,
-                "ranks": {checkpoint.rank_key(self.rank): checkpoint.pack(part)}}
-
-    def gather_state_dict(self) -> dict:
-        """Every rank's state in one object (a collective: call it on every rank)."""
-        state = self.state_dict()
-        parts = [None] * self.world_size
-        dist.all_gather_object(parts, state["ranks"][checkpoint.rank_key(self.rank)], group=self.group)
-        state["ranks"] = {checkpoint.rank_key(r): b for r, b in enumerate(parts)}
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()`` or ``gather_state_dict()``: this rank's own part, checked before anything is
-        loaded (``HookState.load_state_dict``'s rules; a ValueError names the key)."""
-        checkpoint.check_header(state, self.method)
-        part = checkpoint.own_part(state, self.method, self.rank, self.world_size)
-        checkpoint.check_stats(part["stats"])
-        checkpoint.check_parameter_tensors(self.method, part, self._numels)
-        self.method.memory.load_state_dict(part["memory"])
-        self.method.compressor.load_state_dict(part["compressor"])
-        self.iteration = state["iteration"]
-        self.stats.update({k: part["stats"].get(k, 0) for k in self._stat_keys})

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import gcomp
+import gcomp.fsdp
 from gcomp.collectives.p2p import message_nbytes
 from gcomp.collectives.spardl import reduce_scatter_rounds
 
@@ -128,9 +129,9 @@ def job_train(runs=RUNS) -> dict:
     for label, name, params, pruned in runs:
         model = build(pruned)
         state = gcomp.install(model, name, **params) if name else None
-        train(model, STEPS - 1)
+        opt = train(model, STEPS - 1)
         before = dict(state.stats) if state else None
-        train(model, 1, start=STEPS - 1)
+        train(model, 1, start=STEPS - 1, opt=opt)
         last = {k: state.stats[k] - before[k] for k in ("bytes_sent", "bytes_dense")} if state else None
         out[label] = {"params": full_params(model), "zeros": effective_zeros(model),
                       "stats": dict(state.stats) if state else None, "last": last,
@@ -164,4 +165,44 @@ def job_resume(runs) -> dict:
         a, b = full_params(straight), full_params(resumed)
         out[label] = {"equal": all(torch.equal(a[k], b[k]) for k in a), "iteration": resumed_state.iteration,
                       "keys": sorted(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))}
+    return out
+
+
+def build_hsdp(mesh, native: bool) -> torch.nn.Module:
+    """The MLP sharded on a (replicate, shard) mesh: native HSDP (the 2-D mesh), or on its shard dimension only."""
+    torch.manual_seed(0)
+    layers = []
+    for fan_in, fan_out in SIZES:
+        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers[:-1])
+    on = mesh if native else mesh["shard"]
+    for layer in model[::2]:
+        fully_shard(layer, mesh=on)
+    fully_shard(model, mesh=on)
+    return model
+
+
+def job_hsdp() -> dict:
+    """On 4 ranks, 2 replicas x 2 shards: native HSDP against gcomp's (identity within a replica, identity or fp16
+    across replicas); the replica method's bytes; native HSDP refused by gcomp.install."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    native = build_hsdp(mesh, True)
+    train(native, STEPS)
+    out["native"] = full_params(native)
+    try:
+        gcomp.install(build_hsdp(mesh, True), "identity")
+    except ValueError as err:
+        out["refused"] = str(err)
+    for label, across in (("identity", "identity"), ("fp16", "fp16")):
+        model = build_hsdp(mesh, False)
+        state = gcomp.install(model, "identity")
+        replica = gcomp.fsdp.replicate(state, mesh["replicate"].get_group(), across)
+        opt = train(model, STEPS - 1)
+        before = replica.stats["bytes_sent"]
+        train(model, 1, start=STEPS - 1, opt=opt)
+        shard_bytes = sum(-(-s[0] // 2) * (s[1] if len(s) > 1 else 1) for p in model.parameters()
+                          for s in [p.size()]) * (2 if across == "fp16" else 4)
+        out[label] = {"params": full_params(model), "last": replica.stats["bytes_sent"] - before,
+                      "expected": shard_bytes, "steps": replica.stats["steps"]}
     return out

@@ -86,3 +86,25 @@ def test_checkpoint_round_trip_is_bit_identical(label):
         assert rank[label]["equal"]
         assert rank[label]["iteration"] == 6  # 3 saved, 3 after the resume
         assert rank[label]["keys"] == ["format", "iteration", "method", "params", "ranks", "world_size"]
+
+
+def _hsdp() -> dict:
+    return run_ranks_once(("fsdp-hsdp", 4), 4, jobs.job_hsdp, timeout=300)[0]
+
+
+@pytest.mark.slow
+def test_hsdp_through_gcomp_matches_native_hsdp():
+    out = _hsdp()
+    for name, value in out["identity"]["params"].items():
+        torch.testing.assert_close(value, out["native"][name], rtol=1e-5, atol=1e-6)
+    for name, value in out["fp16"]["params"].items():
+        torch.testing.assert_close(value, out["native"][name], rtol=0, atol=1e-3)
+    assert "native HSDP" in out["refused"] and "replicate_group" not in out["refused"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", ["identity", "fp16"])
+def test_hsdp_replica_bytes_equal_the_shard_in_the_method_dtype(label):
+    run = _hsdp()[label]
+    assert run["last"] == run["expected"]
+    assert run["steps"] == jobs.STEPS

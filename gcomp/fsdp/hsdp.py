@@ -1,0 +1,86 @@
+"""HSDP through gcomp: the cross-replica all-reduce of each reduced shard goes through a gcomp method.
+
+FSDP2's native HSDP (``fully_shard`` on a 2-D mesh) runs its own all-reduce across replicas before any hook, so a
+method cannot replace it. gcomp's HSDP is the same computation built from its parts: shard on the mesh's shard
+dimension only, install the shard method, then ``replicate`` puts a hook (``set_all_reduce_hook``) on every FSDP
+module that averages its reduced shard over the replicate group through a gcomp method (``Method.reduce``, the
+DDP hook's pipeline, on the shard as one bucket)::
+
+    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    fully_shard(layer, mesh=mesh["shard"]) ...; fully_shard(model, mesh=mesh["shard"])
+    state = gcomp.install(model, "pactrain")                        # reduce-scatter within a replica
+    replica = gcomp.fsdp.replicate(state, mesh["replicate"].get_group(), "fp16")  # across replicas
+
+Replicas must start from the same weights (the same seed), as with native HSDP.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import torch.distributed as dist
+
+from gcomp.core import Method
+from gcomp.fsdp.state import FSDPState, SavedState
+from gcomp.hook import _STAT_KEYS
+
+
+class ReplicaState(SavedState):
+    """The cross-replica all-reduce of an HSDP run: on the wire, what the method sends for one bucket (its own
+    docstring; ``fp16``: the shard in 16 bits by all-reduce), per FSDP module and step, over the replicate group.
+    ``stats`` as ``HookState``'s (``buckets`` counts shard reductions); checkpoints as ``FSDPState``'s, per
+    parameter piece ``"<parameter>[<shard>]"``."""
+
+    def __init__(self, shard_state: FSDPState, group: dist.ProcessGroup, method: Method):
+        if method.compressor.reads_model:
+            raise ValueError(f"{method.name} reads the model's masks by DDP's bucket layout and cannot reduce a "
+                             "shard across replicas; pick a method that does not (identity, fp16, bf16, topk, ...)")
+        self.shard_state, self.group, self.method = shard_state, group, method
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.iteration = 0
+        self._stat_keys = _STAT_KEYS + method.stat_keys
+        self.stats = {k: 0.0 if k.endswith("_s") else 0 for k in self._stat_keys}
+        self._numels = {}
+        for comm in shard_state.comms:
+            layout = comm.static_layout
+            self._numels.update(zip(layout.own.names, layout.own.numels))
+        self._task = None
+        method.compressor.bind(None, group, self.stats)
+
+    def reduce(self, comm, shard: torch.Tensor) -> None:
+        """Average ``shard`` (FSDP's reduced shard of ``comm``'s module, in place) over the replicas."""
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task != self._task:
+            self._task = task
+            self.iteration += 1
+            self.stats["steps"] += 1
+        info = comm.layout.own
+        self.stats["buckets"] += 1
+        self.stats["bytes_dense"] += shard.numel() * shard.element_size()
+        flat = shard.view(-1)
+        flat.div_(self.world_size)  # the sum over replicas is then the mean, as DDP's hook does it
+        result = self.method.reduce(flat, info, self.group, self.stats).wait()
+        if result.data_ptr() != flat.data_ptr():
+            flat.copy_(result.reshape(-1))
+
+
+class _Hook:
+    def __init__(self, state: ReplicaState, comm):
+        self.state, self.comm = state, comm
+
+    def __call__(self, shard: torch.Tensor) -> None:
+        self.state.reduce(self.comm, shard)
+
+
+def replicate(state: FSDPState, group: dist.ProcessGroup, name_or_method: Union[str, Method],
+              **params) -> ReplicaState:
+    """Average every FSDP module's reduced shard over ``group`` (the replicate dimension) through a gcomp method;
+    returns its state. ``state`` is the shard method's (``gcomp.install`` on a model sharded on one dimension)."""
+    from gcomp.attach import make_method
+    if getattr(state, "replica", None) is not None:
+        raise RuntimeError("a replica method is already installed on this model")
+    replica = ReplicaState(state, group, make_method(name_or_method, params))
+    for comm in state.comms:
+        comm.module.set_all_reduce_hook(_Hook(replica, comm))
+    state.replica = replica
+    return replica
