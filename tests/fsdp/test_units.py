@@ -1,0 +1,50 @@
+"""Single-process checks of the FSDP2 parts: the layout, PacTrain's shard support, and gcomp bench --fsdp's checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gcomp.bench import fsdp as bench_fsdp
+from gcomp.fsdp.layout import ShardLayout
+from gcomp.fsdp.support import ShardSupport
+
+
+def _layout(world=3, rank=1):
+    return ShardLayout(0, ("a", "b"), (torch.Size([5, 2]), torch.Size([4])), world, rank, torch.float32)
+
+
+def test_layout_is_fsdps_shard_major_order():
+    layout = _layout()
+    assert layout.chunks == (4, 2) and layout.numel == 18
+    a, b = torch.arange(10.0).view(5, 2), torch.arange(100.0, 104.0)
+    rows = layout.shard_major([a, b], 0.0, -1.0, torch.float32, "cpu")
+    # FSDP's chunk_cat: dim 0 padded to 6 rows of a and 6 entries of b, then 3 chunks, row-major
+    expected = torch.cat([torch.cat([a, torch.full((1, 2), -1.0)]).view(3, 4),
+                          torch.cat([b, torch.full((2,), -1.0)]).view(3, 2)], dim=1)
+    assert torch.equal(rows, expected)
+    assert layout.pieces.names[:3] == ("a[0]", "b[0]", "a[1]") and sum(layout.pieces.numels) == 18
+
+
+def test_shard_support_packs_each_row_padded_to_the_longest():
+    layout = _layout(rank=2)
+    mask = torch.tensor([[1, 0], [1, 1], [0, 0], [1, 0], [0, 1]])
+    support = ShardSupport(layout, [mask, None], "cpu")
+    # rows: [a rows 0-1, b 0-1], [a rows 2-3, b 2-3], [a row 4 + padding, b padding]: kept 3+2, 1+2, 1+0
+    assert support.counts == (5, 3, 1) and support.width == 5 and support.kept == 15
+    x = torch.arange(1.0, 19.0)
+    wire = torch.full((3, 6), 7.0)
+    support.pack(x, wire)
+    assert torch.equal(wire[:, :5], torch.tensor([[1., 3, 4, 5, 6], [9, 11, 12, 0, 0], [14, 0, 0, 0, 0]]))
+    out = torch.full((6,), 9.0)
+    support.unpack_own(torch.tensor([16.0, 0, 0, 0, 0, 0]), out)
+    assert torch.equal(out, torch.tensor([0., 16, 0, 0, 0, 0]))  # row 2 keeps a[4][1] only
+    assert torch.equal(support.scatter(support.gather(x, torch.empty(15)), torch.empty(18)),
+                       x * layout.shard_major([mask, None], 1.0, 0.0, torch.float32, "cpu").reshape(-1))
+
+
+def test_bench_fsdp_accepts_its_defaults_and_refuses_what_cannot_run():
+    bench_fsdp.check_methods(list(bench_fsdp.DEFAULT_METHODS))
+    for text, words in (("torch:fp16", "DDP hook"), ("topk", "cannot serve FSDP2"),
+                        ("pactrain:ternary=true", "ternary=True is not supported")):
+        with pytest.raises(ValueError, match=words):
+            bench_fsdp.check_methods([text])
