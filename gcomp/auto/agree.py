@@ -15,7 +15,7 @@ PROBE_REPEATS = (5, 2)
 
 def comm_device(group, like: torch.device) -> torch.device:
     """Where tensors for ``group``'s collectives live: NCCL reduces CUDA tensors only."""
-    if dist.get_backend(group) == "nccl":
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return like if like.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -36,6 +36,9 @@ class BenchMethod:
 
     @property
     def prunes(self) -> bool:
+        if self.name == "auto":  # its presets take pactrain on a pruned model; a list may name a pruning method
+            allow = str(self.params.get("allow", "exact"))
+            return allow in ("exact", "half") or any(spec.split(":")[0] in PRUNED for spec in allow.split("|"))
         return self.name in PRUNED
 
     @property

@@ -146,6 +146,9 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
            "alpha_loaded_s": loaded}
     if config.get("rate_schedule"):
         row["segments"] = segment_times(times, config["rate_schedule"])
+    state = None if fsdp else getattr(ddp, "_gcomp_state", None)
+    if state is not None and hasattr(state.method, "choices"):  # auto: the method it chose per bucket
+        row["auto_choices"] = state.method.choices()
     return row
 
 

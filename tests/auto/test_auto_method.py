@@ -1,0 +1,165 @@
+"""``auto``'s pieces on one process: its parameters, the per-bucket counters, the hand-over of held-back gradient,
+and its decisions against a fake link and fake codec timings (no collective runs: the agreement is the identity)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gcomp
+import gcomp.auto.method as auto_method
+from gcomp.auto.record import LayoutRecord
+from gcomp.auto.tee import TeeStats
+from gcomp.bench.collective_costs import Network
+from gcomp.bucket import BucketInfo
+
+MB = 1_000_000
+
+
+def test_tee_stats_count_apart_and_into_the_parent():
+    parent = {"encode_s": 1.0, "bytes_sent": 10}
+    own = TeeStats(parent)
+    own["encode_s"] += 0.5
+    own["bytes_sent"] += 4
+    own["bytes_sent"] += 3
+    assert own == {"encode_s": 0.5, "bytes_sent": 7}
+    assert parent == {"encode_s": 1.5, "bytes_sent": 17}
+
+
+def test_allow_is_held_as_canonical_text_and_checked_at_creation():
+    assert gcomp.create("auto").params["allow"] == "exact"
+    assert gcomp.create("auto", allow=["identity", "topk:ratio=0.05"]).params["allow"] == "identity|topk:ratio=0.05"
+    assert gcomp.create("auto", allow="identity|fp16").compressor.specs == ["identity", "fp16"]
+    assert gcomp.create("auto", allow="half").compressor.specs == ["identity", "pactrain", "fp16", "bf16"]
+    for allow, match in [(5, "must be 'exact', 'half', or a list"), ("exactly", "unknown gradient-compression"),
+                         (["spardl"], "point-to-point"), (["topk:ratio=7"], "allow entry 'topk:ratio=7'"),
+                         (["pactrain:ternary=true,error_feedback=true"], "cannot hand it to another method")]:
+        with pytest.raises(ValueError, match=match):
+            gcomp.comm_hook("auto", allow=allow)
+
+
+def test_a_residual_memory_hands_its_residual_over_once():
+    method = gcomp.create("topk", ratio=0.1)
+    info = BucketInfo.single(torch.zeros(50))
+    grad = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    assert method.memory.flush(info, grad) is None
+    compensated = method.memory.compensate(grad, info)
+    payload = method.compressor.compress(compensated, info)
+    method.memory.update(compensated, info, method.compressor, payload)
+    sent = method.compressor.decompress(payload.tensors, payload.ctx)
+    held = method.memory.flush(info, grad)
+    torch.testing.assert_close(held + sent, grad, rtol=0, atol=0)
+    assert torch.equal(method.memory.compensate(grad, info), grad), "the residual was handed over, not kept"
+
+
+def test_powersgd_hands_its_error_over_laid_out_in_the_bucket():
+    model = torch.nn.Linear(30, 20)
+    method = gcomp.create("powersgd", rank=1, min_compression_rate=1.0)
+    method.compressor.bind(model, None, {})
+    info = BucketInfo.from_layout(0, torch.float32, ["weight", "bias"], [600, 20])
+    grad = torch.randn(620, generator=torch.Generator().manual_seed(1))
+    assert method.compressor.flush(info, grad) is None
+    payload = method.compressor.compress(grad, info)
+    method.compressor.second_round(payload)
+    error = method.compressor._errors["weight"].clone()
+    held = method.compressor.flush(info, grad)
+    assert torch.equal(held[:600], error.reshape(-1)) and not held[600:].any() and error.abs().sum() > 0
+    assert method.compressor.flush(info, grad) is None
+
+
+def test_dgc_hands_its_velocity_over_and_starts_again():
+    method = gcomp.create("dgc", ratio=0.1, warmup_steps=0)
+    info = BucketInfo.single(torch.zeros(100))
+    grad = torch.randn(100, generator=torch.Generator().manual_seed(2))
+    payload = method.compressor.compress(grad, info)
+    sent = method.compressor.decompress(payload.tensors, payload.ctx)
+    held = method.compressor.flush(info, grad)
+    torch.testing.assert_close(held + sent, grad)  # momentum 0.9 of a first step: u = g, v = g
+    buffers = method.compressor.state.find(info, grad)
+    assert not buffers["velocity"].any() and not buffers["momentum"].any()
+
+
+# --- decisions ------------------------------------------------------------------------------------------------
+
+class FakeLink:
+    def __init__(self, *networks):
+        self.networks, self.calls = list(networks), 0
+
+    def __call__(self, group, device):
+        self.calls += 1
+        return self.networks[min(self.calls, len(self.networks)) - 1]
+
+
+def _stats(auto) -> dict:
+    keys = ("encode_s", "decode_s", "round_work_s", "rounds", "allreduce_calls", "allreduce_bytes",
+            "allgather_calls", "allgather_bytes") + auto.stat_keys
+    return {k: 0.0 for k in keys}
+
+
+# a 4 MB bucket: identity all-reduces it for free, topk all-gathers 2% of it for 5 ms of codec
+FAKE = {"identity": {"encode_s": 0.0, "rounds": 1, "allreduce_calls": 1, "allreduce_bytes": 4 * MB},
+        "topk:ratio=0.02": {"encode_s": 5e-3, "rounds": 1, "allgather_calls": 1, "allgather_bytes": 0.08 * MB}}
+
+
+def _run_step(auto, stats, info, wait_s: float) -> str:
+    """One step of one bucket: the decisions at its start, then the candidate's fake measurements."""
+    auto.step_started(None, torch.device("cpu"), stats)
+    record = auto.record(info)
+    index = auto.candidate_for(record)
+    record.last = index  # as AutoMethod.reduce does
+    fake = FAKE[auto.specs[index]]
+    record.observe(index, fake, fake["encode_s"] + wait_s)
+    return auto.specs[index]
+
+
+def test_explores_then_picks_the_fastest_and_switches_when_the_link_drops(monkeypatch):
+    link = FakeLink(Network.parse("100gbit"), Network.parse("100mbit"))
+    monkeypatch.setattr(auto_method, "probe_network", link)
+    monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
+    auto = gcomp.create("auto", allow=list(FAKE), trials=2, probe_every=3, reprobe_above=1.0).compressor
+    auto.workers = 4
+    stats = _stats(auto)
+    info = BucketInfo.single(torch.zeros(MB))
+    fast_wait = 1e-3
+    ran = [_run_step(auto, stats, info, fast_wait) for _ in range(10)]
+    assert ran[:4] == ["identity", "identity", "topk:ratio=0.02", "topk:ratio=0.02"]  # trials each, in order
+    assert ran[4:] == ["identity"] * 6 and stats["auto_explore_steps"] == 4 and link.calls == 1
+    # the link drops: identity's waits grow tenfold; the next check sees the drift, probes, and switches
+    ran = [_run_step(auto, stats, info, 10 * fast_wait) for _ in range(7)]
+    assert link.calls == 2 and stats["auto_switches"] == 1 and stats["auto_probes"] == 2
+    assert ran[-1] == "topk:ratio=0.02" and auto.choices() == {info.key: "topk:ratio=0.02"}
+
+
+def test_steady_waits_never_probe_again(monkeypatch):
+    link = FakeLink(Network.parse("100gbit"))
+    monkeypatch.setattr(auto_method, "probe_network", link)
+    monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
+    auto = gcomp.create("auto", allow=list(FAKE), trials=1, probe_every=2).compressor
+    auto.workers = 4
+    stats = _stats(auto)
+    info = BucketInfo.single(torch.zeros(MB))
+    for _ in range(40):
+        _run_step(auto, stats, info, 1e-3)
+    assert link.calls == 1 and stats["auto_switches"] == 0
+
+
+def test_a_layout_seen_after_the_decision_is_measured_again(monkeypatch):
+    monkeypatch.setattr(auto_method, "probe_network", FakeLink(Network.parse("100gbit")))
+    monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
+    auto = gcomp.create("auto", allow=list(FAKE), trials=1).compressor
+    auto.workers = 4
+    stats = _stats(auto)
+    first, rebuilt = BucketInfo.single(torch.zeros(MB)), BucketInfo.single(torch.zeros(MB), name="other")
+    for _ in range(3):
+        _run_step(auto, stats, first, 1e-3)
+    assert auto.decided
+    _run_step(auto, stats, rebuilt, 1e-3)
+    assert _run_step(auto, stats, rebuilt, 1e-3) == "identity" and not auto.decided  # exploring again
+    assert _run_step(auto, stats, rebuilt, 1e-3) == "topk:ratio=0.02"
+    assert auto.records[first.key].last is not None  # what it last ran there is still handed over
+
+
+def test_layout_record_keeps_the_fastest_sample_after_the_first():
+    record = LayoutRecord(BucketInfo.single(torch.zeros(4)), 2)
+    for seconds in (9.0, 3.0, 4.0):
+        record.observe(1, {"encode_s": seconds}, seconds)
+    assert record.codec_s(1) == 3.0 and record.codec_s(0) == 0.0
