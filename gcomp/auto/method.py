@@ -75,6 +75,7 @@ class AutoCompressor(Compressor):
         self.baseline: float | None = None
         self.network: Network | None = None
         self._restart = False
+        self.events: list[dict] = getattr(self, "events", [])  # kept across restarts: what happened when
 
     # --- binding ---------------------------------------------------------------------------------------------
 
@@ -193,6 +194,8 @@ class AutoCompressor(Compressor):
         self.network = probe_network(group, device) if self.workers > 1 else Network(1e12, 0.0)
         stats["auto_probes"] += 1
         self.baseline = None
+        self.events.append({"step": int(stats["steps"]), "probe_bps": self.network.bandwidth_bps,
+                            "probe_alpha_s": self.network.alpha_s})
 
     def _choose(self, stats: dict) -> None:
         for key, record in self.records.items():
@@ -206,6 +209,9 @@ class AutoCompressor(Compressor):
             record.predicted = {self.specs.index(s): p for s, p in choice.predicted_s.items()}
             record.waits.clear()
             stats["auto_switches"] += int(choice.switched)
+            if choice.switched:
+                self.events.append({"step": int(stats["steps"]), "bucket": record.bucket.index,
+                                    "from": current, "to": choice.method})
         self.checked_at = self.step
 
     def _check(self, group, device, stats: dict) -> None:
@@ -230,7 +236,8 @@ class AutoCompressor(Compressor):
     # --- what it chose -----------------------------------------------------------------------------------------
 
     def choices(self) -> dict[str, str]:
-        """The method chosen per bucket layout (``BucketInfo.key``), once decided."""
+        """The method chosen per bucket layout (``BucketInfo.key``), once decided; ``events`` holds each probe
+        (the step, by the hook's count, and the link it measured) and each switch (step, bucket, from, to)."""
         return {key: self.specs[r.chosen] for key, r in sorted(self.records.items()) if r.chosen is not None}
 
     # --- checkpoints --------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ class FakeLink:
 
 
 def _stats(auto) -> dict:
-    keys = ("encode_s", "decode_s", "round_work_s", "rounds", "allreduce_calls", "allreduce_bytes",
+    keys = ("steps", "encode_s", "decode_s", "round_work_s", "rounds", "allreduce_calls", "allreduce_bytes",
             "allgather_calls", "allgather_bytes") + auto.stat_keys
     return {k: 0.0 for k in keys}
 
@@ -127,6 +127,9 @@ def test_explores_then_picks_the_fastest_and_switches_when_the_link_drops(monkey
     ran = [_run_step(auto, stats, info, 10 * fast_wait) for _ in range(7)]
     assert link.calls == 2 and stats["auto_switches"] == 1 and stats["auto_probes"] == 2
     assert ran[-1] == "topk:ratio=0.02" and auto.choices() == {info.key: "topk:ratio=0.02"}
+    switches = [e for e in auto.events if "to" in e]
+    assert switches == [{"step": 0, "bucket": 0, "from": "identity", "to": "topk:ratio=0.02"}]  # no hook: step 0
+    assert [e["probe_bps"] for e in auto.events if "probe_bps" in e] == [1e11, 1e8]
 
 
 def test_steady_waits_never_probe_again(monkeypatch):
