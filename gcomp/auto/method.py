@@ -191,7 +191,8 @@ class AutoCompressor(Compressor):
         self.decided = True
 
     def _probe(self, group, device, stats) -> None:
-        self.network = probe_network(group, device) if self.workers > 1 else Network(1e12, 0.0)
+        largest = max((r.bucket.numel * r.bucket.dtype.itemsize for r in self.records.values()), default=0)
+        self.network = probe_network(group, device, largest) if self.workers > 1 else Network(1e12, 0.0)
         stats["auto_probes"] += 1
         self.baseline = None
         self.events.append({"step": int(stats["steps"]), "probe_bps": self.network.bandwidth_bps,

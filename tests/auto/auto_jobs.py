@@ -28,7 +28,7 @@ class AlternatingLink:
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, group, device):
+    def __call__(self, group, device, bucket_bytes=0):
         from gcomp.bench.collective_costs import Network
 
         self.calls += 1
@@ -103,7 +103,7 @@ def job_one_slow_rank(steps: int) -> dict:
     import gcomp.auto.method as auto_method
     from gcomp.bench.collective_costs import Network
 
-    auto_method.probe_network = lambda group, device: Network(1e12, 0.0)
+    auto_method.probe_network = lambda group, device, bucket_bytes=0: Network(1e12, 0.0)
     ddp_model = models.ddp(models.mlp(0), bucket_cap_mb=models.SEVERAL_BUCKETS_MB)
     state = gcomp.install(ddp_model, "auto", allow=["identity", "fp16"], trials=2)
     identity, fp16 = (m.compressor for m in state.method.compressor.methods)

@@ -84,7 +84,7 @@ class FakeLink:
     def __init__(self, *networks):
         self.networks, self.calls = list(networks), 0
 
-    def __call__(self, group, device):
+    def __call__(self, group, device, bucket_bytes=0):
         self.calls += 1
         return self.networks[min(self.calls, len(self.networks)) - 1]
 
