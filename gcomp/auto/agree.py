@@ -1,18 +1,21 @@
 """``auto``'s own collectives: the ranks agreeing on what they measured, and the timed probe of the link."""
 from __future__ import annotations
 
+import math
+import time
+
 import torch
 import torch.distributed as dist
 
 from gcomp.auto.choice import link_network
 from gcomp.bench.collective_costs import Network
-from gcomp.bench.throughput import probe_link
+from gcomp.bench.throughput import link_from_timings
 
 PROBE_SMALL_BYTES = 1024
-# the large probe: the largest bucket, within these bounds (at 100 Mbit/s on 4 ranks 1 MiB takes about 125 ms, so
-# the bytes dominate its time on fast links too while a probe stays a few steps' worth on slow ones)
-PROBE_LARGE_BYTES = (256 * 1024, 1024 * 1024)
-PROBE_REPEATS = (3, 1)  # the fastest of this many, each after one untimed warm-up
+# the large probe: the largest bucket, within these bounds (at 100 Mbit/s on 4 ranks 512 KiB takes about 63 ms, so
+# the bytes still dominate its time at 1 Gbit/s while a probe costs a few steps' worth on slow links)
+PROBE_LARGE_BYTES = (128 * 1024, 512 * 1024)
+PROBE_REPEATS = (2, 1)  # small, large: the fastest of this many (no warm-up: training already opened the links)
 
 
 def comm_device(group, like: torch.device) -> torch.device:
@@ -25,16 +28,49 @@ def comm_device(group, like: torch.device) -> torch.device:
 def agree_max(values: list[float], group, device: torch.device) -> list[float]:
     """The element-wise MAX of ``values`` over the ranks of ``group`` (one all-reduce, waited for): every rank
     then decides from the same numbers, the slowest rank's."""
+    return launch_max(values, group, device).values()
+
+
+class Pending:
+    """A MAX all-reduce launched and not waited for; ``values`` waits (long done when read a step later)."""
+
+    def __init__(self, work, tensor: torch.Tensor):
+        self.work, self.tensor = work, tensor
+
+    def values(self) -> list[float]:
+        if self.work is not None:
+            self.work.wait()
+        return self.tensor.cpu().tolist()
+
+
+def launch_max(values: list[float], group, device: torch.device) -> Pending:
+    """``agree_max`` launched asynchronously: it runs beside the buckets' collectives instead of stopping the
+    backward pass for a round trip."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, dist.ReduceOp.MAX, group=group)
-    return tensor.cpu().tolist()
+    return Pending(dist.all_reduce(tensor, dist.ReduceOp.MAX, group=group, async_op=True), tensor)
+
+
+def _fastest_allreduce_s(nbytes: int, repeats: int, group, device: torch.device) -> float:
+    tensor = torch.zeros(max(nbytes // 8, 1), dtype=torch.int64, device=device)
+    best = math.inf
+    for _ in range(repeats):
+        dist.barrier(group=group)  # every rank starts together: what the path takes, not a late rank
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        if tensor.device.type == "cuda":
+            torch.cuda.synchronize(tensor.device)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def probe_network(group, device: torch.device, bucket_bytes: int = 0) -> Network:
     """The link as ``auto`` prices it: timed all-reduces of 1 KiB and of the largest bucket's bytes (within
-    ``PROBE_LARGE_BYTES``) by ``probe_link``, the slowest rank's latency and seconds per byte agreed by all."""
+    ``PROBE_LARGE_BYTES``), α and β derived as ``gcomp.bench.throughput.link_from_timings`` does, the slowest
+    rank's agreed by all."""
     low, high = PROBE_LARGE_BYTES
     large = min(max(int(bucket_bytes), low), high)
-    link = probe_link(group, PROBE_SMALL_BYTES, large, PROBE_REPEATS, device)
+    small_s = _fastest_allreduce_s(PROBE_SMALL_BYTES, PROBE_REPEATS[0], group, device)
+    large_s = _fastest_allreduce_s(large, PROBE_REPEATS[1], group, device)
+    link = link_from_timings(small_s, large_s, dist.get_world_size(group), PROBE_SMALL_BYTES, large)
     alpha_s, beta_s = agree_max([link["alpha_s"] or 0.0, link["beta_s"] or 0.0], group, device)
     return link_network(alpha_s, beta_s)

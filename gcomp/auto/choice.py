@@ -13,15 +13,20 @@ from gcomp.bench.collective_costs import Launched, Network, launched_s
 @dataclass(frozen=True)
 class BucketCost:
     """One method on one bucket, as measured: ``codec_s`` host seconds to encode and decode it (the slowest
-    rank's, so that every rank prices alike) and ``launched``, the collectives it launched for it with their
-    bytes (``Launched`` with ``buckets=1``)."""
+    rank's, so that every rank prices alike), ``launched``, the collectives it launched for it with their
+    bytes (``Launched`` with ``buckets=1``), and ``overhead_s``, what its collectives took beyond their price
+    on the link they were measured on (gloo's own work, peers late on shared cores), carried to another link
+    as it is."""
 
     codec_s: float
     launched: Launched
+    overhead_s: float = 0.0
 
     def __post_init__(self):
-        if not (self.codec_s >= 0 and math.isfinite(self.codec_s)):
-            raise ValueError(f"BucketCost: codec_s must be a finite number >= 0; got {self.codec_s!r}")
+        for name in ("codec_s", "overhead_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"BucketCost: {name} must be a finite number >= 0; got {value!r}")
 
 
 def link_network(alpha_s: float, beta_s: float) -> Network:
@@ -31,8 +36,9 @@ def link_network(alpha_s: float, beta_s: float) -> Network:
 
 
 def predict_s(cost: BucketCost, workers: int, network: Network) -> float:
-    """Seconds one bucket takes with this method: its codec time plus its collectives on ``network``."""
-    return cost.codec_s + launched_s(cost.launched, workers, network)
+    """Seconds one bucket takes with this method: its codec time, its collectives on ``network`` and its
+    overhead."""
+    return cost.codec_s + launched_s(cost.launched, workers, network) + cost.overhead_s
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gcomp.auto.agree import agree_max, comm_device, probe_network
+from gcomp.auto.agree import Pending, agree_max, comm_device, launch_max, probe_network
 from gcomp.auto.choice import BucketCost, choose
 from gcomp.auto.record import WIDTH, LayoutRecord
 from gcomp.auto.tee import TeeStats
@@ -75,6 +75,7 @@ class AutoCompressor(Compressor):
         self.baseline: float | None = None
         self.network: Network | None = None
         self._restart = False
+        self._pending: Pending | None = None  # the last check's agreement, read at the next step
         self.events: list[dict] = getattr(self, "events", [])  # kept across restarts: what happened when
 
     # --- binding ---------------------------------------------------------------------------------------------
@@ -158,7 +159,10 @@ class AutoCompressor(Compressor):
                 stats["auto_explore_steps"] += 1
                 return
             self._timed(self._decide, group, device, stats)
-        elif self.step - self.checked_at >= self.probe_every:
+            return
+        if self._pending is not None:
+            self._timed(self._read_check, group, device, stats)
+        if self.step - self.checked_at >= self.probe_every:
             self._timed(self._check, group, device, stats)
 
     def restart_from(self, step: int) -> None:
@@ -182,11 +186,17 @@ class AutoCompressor(Compressor):
         if agreed[0] != -agreed[1]:
             raise RuntimeError(f"auto: the ranks measured different numbers of bucket layouts ({int(-agreed[1])} to "
                                f"{int(agreed[0])}); every rank must run the same DDP model")
+        self._probe(group, device, stats)
         for n, key in enumerate(keys):
             row = agreed[2 + n * WIDTH * len(self.methods):]
-            self.costs[key] = {i: BucketCost(row[i * WIDTH], LayoutRecord.launched(row[i * WIDTH:], self.workers))
-                               for i in self.active}
-        self._probe(group, device, stats)
+            costs = {}
+            for i in self.active:
+                codec_s, wait_s = row[i * WIDTH], row[i * WIDTH + 1]
+                launched = LayoutRecord.launched(row[i * WIDTH:], self.workers)
+                # what the wait held beyond the collectives' price on this link: priced alike on the next one
+                overhead_s = max(wait_s - launched_s(launched, self.workers, self.network), 0.0)
+                costs[i] = BucketCost(codec_s, launched, overhead_s)
+            self.costs[key] = costs
         self._choose(stats)
         self.decided = True
 
@@ -216,18 +226,25 @@ class AutoCompressor(Compressor):
         self.checked_at = self.step
 
     def _check(self, group, device, stats: dict) -> None:
-        """Agree on how far the chosen methods' waits (wall less codec seconds) are from their priced
-        collectives; past ``reprobe_above`` of the ratio seen after the last probe, probe and choose again."""
+        """Launch the agreement on how far the chosen methods' waits (wall less codec seconds, the median of the
+        later half since the last check, so that a change inside the window shows) are from their priced
+        collectives; ``_read_check`` acts on it at the next step."""
         measured = predicted = 0.0
         for key, record in self.records.items():
             if record.waits and record.chosen is not None and key in self.costs:
-                measured += statistics.median(record.waits)
+                waits = record.waits[len(record.waits) // 2:]
+                measured += statistics.median(waits)
                 predicted += launched_s(self.costs[key][record.chosen].launched, self.workers, self.network)
             record.waits.clear()
         ratio = measured / predicted if predicted > 0 else 0.0
-        if self.workers > 1:
-            ratio = agree_max([ratio], group, device)[0]
+        self._pending = launch_max([ratio], group, device) if self.workers > 1 else Pending(None, torch.tensor([ratio]))
         self.checked_at = self.step
+
+    def _read_check(self, group, device, stats: dict) -> None:
+        """The agreed ratio: the first after a probe is the baseline; one off it by more than a factor
+        ``1 + reprobe_above`` probes the link again and re-chooses every layout."""
+        ratio = self._pending.values()[0]
+        self._pending = None
         if self.baseline is None:
             self.baseline = ratio
         elif not self.baseline / (1 + self.reprobe_above) <= ratio <= self.baseline * (1 + self.reprobe_above):

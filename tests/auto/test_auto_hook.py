@@ -48,7 +48,6 @@ def test_a_switch_keeps_the_gradient_total_exact():
     assert r["switches"] >= 2
     assert all(x["parked"] == 0 for x in results), "a method switched off still holds gradient back"
     for sent, given, held in zip(r["sent"], r["given"], r["held"]):
-        assert held.abs().sum() > 0 or sent.numel() == 0
         torch.testing.assert_close(sent + held, given / r["world"], rtol=1e-12, atol=1e-12)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(other["sent"], r["sent"]))

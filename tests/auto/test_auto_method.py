@@ -7,6 +7,7 @@ import torch
 
 import gcomp
 import gcomp.auto.method as auto_method
+from gcomp.auto.agree import Pending
 from gcomp.auto.record import LayoutRecord
 from gcomp.auto.tee import TeeStats
 from gcomp.bench.collective_costs import Network
@@ -100,21 +101,25 @@ FAKE = {"identity": {"encode_s": 0.0, "rounds": 1, "allreduce_calls": 1, "allred
         "topk:ratio=0.02": {"encode_s": 5e-3, "rounds": 1, "allgather_calls": 1, "allgather_bytes": 0.08 * MB}}
 
 
-def _run_step(auto, stats, info, wait_s: float) -> str:
-    """One step of one bucket: the decisions at its start, then the candidate's fake measurements."""
+def _run_step(auto, stats, info, wait_s, fakes=FAKE) -> str:
+    """One step of one bucket: the decisions at its start, then the candidate's fake measurements (``wait_s``:
+    seconds, or seconds per spec)."""
     auto.step_started(None, torch.device("cpu"), stats)
     record = auto.record(info)
     index = auto.candidate_for(record)
     record.last = index  # as AutoMethod.reduce does
-    fake = FAKE[auto.specs[index]]
-    record.observe(index, fake, fake["encode_s"] + wait_s)
-    return auto.specs[index]
+    spec = auto.specs[index]
+    fake = fakes[spec]
+    wait = wait_s[spec] if isinstance(wait_s, dict) else wait_s
+    record.observe(index, fake, fake["encode_s"] + wait)
+    return spec
 
 
 def test_explores_then_picks_the_fastest_and_switches_when_the_link_drops(monkeypatch):
     link = FakeLink(Network.parse("100gbit"), Network.parse("100mbit"))
     monkeypatch.setattr(auto_method, "probe_network", link)
     monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
+    monkeypatch.setattr(auto_method, "launch_max", lambda values, group, device: Pending(None, torch.tensor(values)))
     auto = gcomp.create("auto", allow=list(FAKE), trials=2, probe_every=3, reprobe_above=1.0).compressor
     auto.workers = 4
     stats = _stats(auto)
@@ -136,6 +141,7 @@ def test_steady_waits_never_probe_again(monkeypatch):
     link = FakeLink(Network.parse("100gbit"))
     monkeypatch.setattr(auto_method, "probe_network", link)
     monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
+    monkeypatch.setattr(auto_method, "launch_max", lambda values, group, device: Pending(None, torch.tensor(values)))
     auto = gcomp.create("auto", allow=list(FAKE), trials=1, probe_every=2).compressor
     auto.workers = 4
     stats = _stats(auto)
@@ -148,6 +154,7 @@ def test_steady_waits_never_probe_again(monkeypatch):
 def test_a_layout_seen_after_the_decision_is_measured_again(monkeypatch):
     monkeypatch.setattr(auto_method, "probe_network", FakeLink(Network.parse("100gbit")))
     monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
+    monkeypatch.setattr(auto_method, "launch_max", lambda values, group, device: Pending(None, torch.tensor(values)))
     auto = gcomp.create("auto", allow=list(FAKE), trials=1).compressor
     auto.workers = 4
     stats = _stats(auto)
@@ -166,3 +173,24 @@ def test_layout_record_keeps_the_fastest_sample_after_the_first():
     for seconds in (9.0, 3.0, 4.0):
         record.observe(1, {"encode_s": seconds}, seconds)
     assert record.codec_s(1) == 3.0 and record.codec_s(0) == 0.0
+
+
+def test_the_waits_measured_while_measuring_correct_the_price(monkeypatch):
+    """Unshaped loopback as measured on 4 ranks on 2 cores: the probe saw 2.8 Gbit/s and 0.7 ms per message, so
+    the formulas price topk's all-gather of 24 KB at about 2 ms and identity's 1.2 MB all-reduce at about 9 ms,
+    but topk's buckets waited 13.4 ms (peers still encoding on shared cores) and identity's 11.5 ms: identity."""
+    monkeypatch.setattr(auto_method, "probe_network", FakeLink(Network(2.8e9, 0.7e-3)))
+    monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
+    fakes = {"identity": {"encode_s": 0.0, "rounds": 1, "allreduce_calls": 1, "allreduce_bytes": 1.2 * MB},
+             "topk:ratio=0.02": {"encode_s": 3e-3, "rounds": 1, "allgather_calls": 1, "allgather_bytes": 24e3}}
+    waits = {"identity": 11.5e-3, "topk:ratio=0.02": 13.4e-3}
+    auto = gcomp.create("auto", allow=list(fakes), trials=2).compressor
+    auto.workers = 4
+    stats = _stats(auto)
+    info = BucketInfo.single(torch.zeros(MB // 4))
+    ran = [_run_step(auto, stats, info, waits, fakes) for _ in range(5)]
+    assert ran[-1] == "identity"
+    costs = auto.costs[info.key]
+    assert costs[1].overhead_s > 0.01 and costs[0].overhead_s < 0.005
+    without = {auto.specs[i]: gcomp.auto.BucketCost(c.codec_s, c.launched) for i, c in costs.items()}
+    assert gcomp.auto.choose(without, 4, auto.network).method == "topk:ratio=0.02"  # the formulas alone
