@@ -220,6 +220,8 @@ class AutoCompressor(Compressor):
             record.predicted = {self.specs.index(s): p for s, p in choice.predicted_s.items()}
             record.waits.clear()
             stats["auto_switches"] += int(choice.switched)
+            self.events.append({"step": int(stats["steps"]), "bucket": record.bucket.index, "chosen": choice.method,
+                                "predicted_s": {spec: round(p, 6) for spec, p in choice.predicted_s.items()}})
             if choice.switched:
                 self.events.append({"step": int(stats["steps"]), "bucket": record.bucket.index,
                                     "from": current, "to": choice.method})

@@ -35,7 +35,7 @@ def auto(
     allow: Annotated[str, AllowList(), "methods it may choose: 'exact' (identity, and pactrain on a pruned model), "
                                        "'half' (adds fp16, bf16), or a list of specs"] = "exact",
     probe_every: Annotated[int, Range(1, None), "steps between checks of the measured waits against the link"] = 10,
-    trials: Annotated[int, Range(1, None), "buckets each candidate reduces per layout while measuring"] = 3,
+    trials: Annotated[int, Range(1, None), "buckets each candidate reduces per layout while measuring"] = 5,
     margin: Annotated[float, Range(0, 1, high_open=True), "how much faster another method must be predicted to "
                                                            "switch to it"] = 0.1,
     reprobe_above: Annotated[float, Range(0, None, low_open=True), "drift of the waits (relative) that triggers a "
