@@ -100,13 +100,7 @@ class TernaryPath:
         """The one all-reduce's int64 tensor: the codes drawn against the carried scale ``shared`` (of grid
         ``exponents``), the counting lanes of this rank's largest values, and the 3 counts (see the class
         docstring)."""
-        local = scales[:-2]
-        codes = self.draw_codes(track, shared)
-        if not self.error_feedback and self.clip == 0:
-            over = local > shared  # some value above the carried scale went as +-scale: its excess is carried
-            if local.device.type != "cpu" or bool(over.any()):  # a free check on the host; a GPU never waits
-                self._carry_excess(track, shared)
-        hist, resync = scale_grid.marks(local, exponents, self.world_size)
+        codes, hist, resync = self.one_round_codes(track, scales, exponents, shared)
         words = bitpack.pack(codes, bitpack.lane_bits(self.world_size))
         lanes = torch.empty(words.numel() + hist.numel() + FLAGS, dtype=torch.int64, device=words.device)
         lanes[:words.numel()] = words
@@ -115,6 +109,20 @@ class TernaryPath:
         lanes[-2] = scales[-2].to(torch.int64)
         lanes[-1] = resync
         return lanes
+
+    def one_round_codes(self, track: BucketTrack, scales: torch.Tensor, exponents: torch.Tensor,
+                        shared: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``one_round_lanes`` before its packing (FSDP2's codec lays the codes out per destination shard first):
+        the codes (``draw_codes``'s buffer) against the carried scale, the excess above it kept for the rank's
+        next step, this rank's counting lanes (int64 words) and its resync flag (``scale_grid.marks``)."""
+        local = scales[:-2]
+        codes = self.draw_codes(track, shared)
+        if not self.error_feedback and self.clip == 0:
+            over = local > shared  # some value above the carried scale went as +-scale: its excess is carried
+            if local.device.type != "cpu" or bool(over.any()):  # a free check on the host; a GPU never waits
+                self._carry_excess(track, shared)
+        hist, resync = scale_grid.marks(local, exponents, self.world_size)
+        return codes, hist, resync
 
     def _carry_excess(self, track: BucketTrack, shared: torch.Tensor) -> None:
         """Keep ``value - clamp(value, -scale, scale)`` for this rank's next step (``gather_values`` adds it)."""
