@@ -25,6 +25,9 @@ class ShardedCodec(ABC):
     """
 
     prescale: ClassVar[bool] = True
+    # parameter sets of the method that put something else on the wire (``fsdp_configs`` lists them, so the
+    # FSDP contract suite runs each)
+    variants: ClassVar[tuple[dict, ...]] = ()
 
     def __init__(self, method: Method):
         self.method = method
@@ -57,6 +60,20 @@ def _table() -> dict[str, type[ShardedCodec]]:
 def fsdp_methods() -> tuple[str, ...]:
     """The registered methods that can serve FSDP2's reduce-scatter."""
     return tuple(_table())
+
+
+def config_label(name: str, params: dict) -> str:
+    """``name`` or ``name:key=value,...`` (``gcomp bench``'s method syntax, booleans lower-case)."""
+    if not params:
+        return name
+    return name + ":" + ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())
+
+
+def fsdp_configs() -> tuple[tuple[str, str, dict], ...]:
+    """(label, method name, parameters) of every FSDP-capable method with its defaults, then each variant its
+    codec declares (``ShardedCodec.variants``: ``pactrain``'s ternary paths)."""
+    return tuple((config_label(name, params), name, params) for name, cls in _table().items()
+                 for params in ({}, *cls.variants))
 
 
 def codec_for(method: Method) -> ShardedCodec:

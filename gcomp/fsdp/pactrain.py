@@ -8,11 +8,14 @@ import torch
 from gcomp.bucket import BucketInfo
 from gcomp.collectives.allreduce import all_reduce_all
 from gcomp.collectives.reduce_scatter import reduce_scatter_sum
+from gcomp.compressors import scale_grid
+from gcomp.compressors.pactrain_ternary import FLAGS
 from gcomp.core import MAX, Payload
 from gcomp.fsdp.codec import ShardedCodec
 from gcomp.fsdp.layout import ShardLayout
 from gcomp.fsdp.support import ShardSupport
-from gcomp.packing.tracker import DENSE, ENTRIES, TRACKING, MaskTracker
+from gcomp.packing.host_flags import host_flag
+from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker
 
 
 class ShardMaskTracker(MaskTracker):
@@ -40,23 +43,42 @@ class PacTrainCodec(ShardedCodec):
       on two ranks (the division comes after the sum, as FSDP's), and zero off it, where every rank's gradient is
       zero anyway (``weight_orig * weight_mask``).
 
-    ``ternary=True`` is refused under FSDP2 (its integer lanes are built for a whole bucket's support).
+    ``ternary=True`` (packed steps; tracking and dense as above), DDP's ternary codec
+    (``gcomp.compressors.pactrain_ternary``) on the kept entries of the whole input, one shared scale per
+    parameter as under DDP, each destination shard's codes in its own row of integer lanes
+    (``support.TernaryRows``): b = ``lane_bits(world)``-bit fields, ``W = packed_words(K, b)`` int64 words per row
+    (K as above), so that the SUM reduce-scatter cuts the lanes between rows and each rank decodes its own row:
+
+    - one round (``rounds=1``, once a scale was shared): a (world, W + H + 3) int64 matrix by SUM reduce-scatter,
+      row r = shard r's code words, then, alike in every row (so every rank receives their sum, as an all-reduce
+      would give), this rank's ``H = scale_grid.hist_words(P, world)`` words of counting lanes (P parameters in the
+      module: the next step's scales) and its 3 flags (non-finite, masks changed, resync). 8 * world * (W + H + 3)
+      bytes per rank and call;
+    - two rounds (the first packed step, after a resync, every step with ``rounds=2``): the P per-parameter scales
+      and 2 flags in fp32 by MAX all-reduce (the exact shared scale), then a (world, W) int64 matrix of the code
+      words by SUM reduce-scatter: 4 * (P + 2) + 8 * world * W bytes per rank and call.
+
+    The division by FSDP's divisor comes before encoding with ternary (``prescale``: as DDP's hook, so residuals and
+    carried scales are in the mean's units). Error feedback, and the excess a carried scale clipped, are DDP's
+    residual of the rank's own kept entries (its whole unsharded input), saved with the tracker.
     """
 
     prescale = False
+    variants = ({"ternary": True}, {"ternary": True, "rounds": 2}, {"ternary": True, "error_feedback": True})
 
     def __init__(self, method):
         super().__init__(method)
         compressor = method.compressor
-        if compressor.ternary:
-            raise ValueError("pactrain under FSDP2 packs losslessly only: ternary=True is not supported with "
-                             "fully_shard (use it under DDP, or pactrain without ternary)")
         old = compressor.tracker
+        if old.granularity != ENTRIES:
+            raise ValueError("pactrain under FSDP2 packs single entries: granularity='groups' is not supported with "
+                             "fully_shard")
+        self.prescale = bool(compressor.ternary)
         # the compressor keeps it, so its state_dict and load_state_dict save and restore this tracker
         self.tracker = compressor.tracker = ShardMaskTracker(old.stable_steps, old.dense_above, old.check_every)
 
     def bind(self, model, group, stats) -> None:
-        self.tracker.bind(model, stats)
+        self.method.compressor.bind(model, group, stats)  # the tracker, the rank's draws, the counters
         self.stats = stats
 
     def install_flags(self) -> torch.Tensor:
@@ -81,6 +103,9 @@ class PacTrainCodec(ShardedCodec):
                 MaskTracker.receive_flags(track, flags)
             return
         stats["packed_buckets"] += 1
+        if self.method.compressor.ternary:
+            self._ternary(output, input, track, changed_here, group, stats, start)
+            return
         support: ShardSupport = track.support
         wire = track.buffers.get("wire")
         if wire is None:
@@ -94,4 +119,55 @@ class PacTrainCodec(ShardedCodec):
         start = time.perf_counter()
         MaskTracker.receive_changed(track, row[-1:])
         support.unpack_own(row, output)
+        stats["decode_s"] += time.perf_counter() - start
+
+    def _ternary(self, output, input, track: BucketTrack, changed_here: bool, group, stats, start: float) -> None:
+        """A packed step with ``ternary=True`` (the class docstring): DDP's ternary codec, rows per shard."""
+        compressor, support = self.method.compressor, track.support
+        rows = support.ternary
+        # TernaryPath reads the support and the buffers of a track: the values' face of this support, this
+        # track's buffers (where the residual and the carried scale live, saved with the tracker)
+        values = BucketTrack(mode=PACKED, support=rows.values, buffers=track.buffers)
+        compressor.gather_values(values, input)
+        scales = compressor.local_scales(values)
+        scales[-2] = float(changed_here)
+        carried = compressor.carried_scale(values)
+        fields = track.buffers.get("rows")
+        if fields is None:  # codes laid out per row; the padding fields stay zero
+            fields = track.buffers["rows"] = torch.zeros(rows.world, rows.fields, dtype=torch.uint8,
+                                                         device=input.device)
+        if carried is None:  # two rounds: the exact shared scale first
+            stats["encode_s"] += time.perf_counter() - start
+            all_reduce_all(Payload([scales], ops=(MAX,)), group, stats=stats).wait()
+            stats["bytes_sent"] += scales.numel() * scales.element_size()
+            start = time.perf_counter()
+            shared, nonfinite, changed = scales[:-2], scales[-1], scales[-2:-1]
+            wire = rows.rows(compressor.draw_codes(values, shared), fields)
+        else:
+            compressor._count("one_round_buckets")
+            exponents, shared = carried
+            codes, hist, resync = compressor.one_round_codes(values, scales, exponents, shared)
+            wire = torch.empty(rows.world, rows.words + hist.numel() + FLAGS, dtype=torch.int64,
+                               device=input.device)
+            wire[:, :rows.words] = rows.rows(codes, fields)
+            wire[:, rows.words:-FLAGS] = hist  # alike in every row: every rank receives the sum
+            wire[:, -3] = scales[-1].to(torch.int64)
+            wire[:, -2] = scales[-2].to(torch.int64)
+            wire[:, -1] = resync
+        stats["encode_s"] += time.perf_counter() - start
+        row = wire.new_empty(wire.shape[1])
+        reduce_scatter_sum(row, wire.view(-1), group, stats)
+        stats["bytes_sent"] += wire.numel() * wire.element_size()
+        start = time.perf_counter()
+        if carried is None:
+            compressor.carry_scale(values, scale_grid.grid_exponent(shared))
+        else:
+            nonfinite, changed = row[-3], row[-2:-1]
+            compressor.carry_scale(values, scale_grid.next_exponent(row[rows.words:-FLAGS], exponents,
+                                                                     rows.world))
+            track.buffers["resync"] = host_flag(row[-1:] > 0)
+        MaskTracker.receive_changed(track, changed)
+        own = BucketTrack(mode=PACKED, support=rows.own, buffers=track.buffers)
+        decoded = compressor.decode_values(own, shared, nonfinite, row[:rows.words])
+        support.unpack_own(decoded if decoded.dtype == output.dtype else decoded.to(output.dtype), output)
         stats["decode_s"] += time.perf_counter() - start
