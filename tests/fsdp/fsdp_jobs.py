@@ -12,8 +12,10 @@ from torch.distributed.fsdp import fully_shard
 
 import gcomp
 import gcomp.fsdp
+from gcomp.collectives import bitpack
 from gcomp.collectives.p2p import message_nbytes
 from gcomp.collectives.spardl import reduce_scatter_rounds
+from gcomp.compressors import scale_grid
 
 STEPS = 10
 PRUNE = 0.5
@@ -106,6 +108,9 @@ def expected_bytes(name: str, params: dict, model) -> int:
             total += world * width * 4
         elif name in ("fp16", "bf16"):
             total += world * width * 2
+        elif name == "pactrain" and params.get("ternary") and kept is not None:  # a one-round step
+            words = bitpack.packed_words(max(kept), bitpack.lane_bits(world))
+            total += 8 * world * (words + scale_grid.hist_words(len(rows), world) + 3)
         elif name == "pactrain":  # a module with no mask keeps everything: it stays dense
             total += world * (max(kept) + 1) * 4 if kept is not None else world * width * 4
         elif name == "randomk":
@@ -119,6 +124,7 @@ def expected_bytes(name: str, params: dict, model) -> int:
 
 RUNS = [("plain", None, {}, False), ("plain-pruned", None, {}, True), ("identity", "identity", {}, False),
         ("fp16", "fp16", {}, False), ("bf16", "bf16", {}, False), ("pactrain", "pactrain", {}, True),
+        ("pactrain-ternary", "pactrain", {"ternary": True}, True),
         ("randomk", "randomk", {"ratio": 0.3}, False), ("spardl", "spardl", {"density": 0.3}, False)]
 
 

@@ -17,7 +17,7 @@ def _train(world: int) -> dict:
 
 
 def _reference(results: dict, label: str) -> dict:
-    return results["plain-pruned" if label == "pactrain" else "plain"]["params"]
+    return results["plain-pruned" if label.startswith("pactrain") else "plain"]["params"]
 
 
 @pytest.mark.slow
@@ -49,7 +49,7 @@ def test_half_precision_stays_close_to_plain_fsdp2(label):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("label", ["identity", "fp16", "bf16", "pactrain", "randomk", "spardl"])
+@pytest.mark.parametrize("label", ["identity", "fp16", "bf16", "pactrain", "pactrain-ternary", "randomk", "spardl"])
 def test_bytes_sent_equal_the_method_formula(label, world):
     run = _train(world)[label]
     assert run["last"]["bytes_dense"] == run["dense_last"]
@@ -67,6 +67,26 @@ def test_pactrain_packs_kept_plus_padding_and_keeps_pruned_weights_zero():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_pactrain_ternary_trains_keeps_pruned_weights_zero_and_counts_as_under_ddp(world):
+    results = _train(world)
+    run = results["pactrain-ternary"]
+    stats = run["stats"]
+    # both pruned layers packed from the first step, that step in two rounds (the exact scale), then one round
+    assert stats["packed_buckets"] == 2 * jobs.STEPS and stats["one_round_buckets"] == 2 * (jobs.STEPS - 1)
+    assert stats["scale_resyncs"] == 0 and stats["unfreezes"] == 0 and stats["mask_mismatches"] == 0
+    assert run["zeros"] and all(run["zeros"].values())
+    # lossy, but a step of the same size: close to plain FSDP2 after 10 steps, and not equal to it
+    reference = _reference(results, "pactrain-ternary")
+    differs = False
+    for name, value in run["params"].items():
+        assert torch.isfinite(value).all()
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0.25)
+        differs |= not torch.equal(value, reference[name])
+    assert differs
+
+
+@pytest.mark.slow
 def test_state_has_the_hook_state_stats_and_counts_steps():
     run = _train(2)["spardl"]
     assert set(_STAT_KEYS) <= set(run["stats"]) and "messages" in run["stats"]
@@ -75,7 +95,10 @@ def test_state_has_the_hook_state_stats_and_counts_steps():
 
 
 RESUME = [("pactrain", "pactrain", {}, True), ("randomk", "randomk", {"ratio": 0.3}, False),
-          ("spardl", "spardl", {"density": 0.3}, False), ("fp16", "fp16", {}, False)]
+          ("spardl", "spardl", {"density": 0.3}, False), ("fp16", "fp16", {}, False),
+          ("pactrain-ternary", "pactrain", {"ternary": True}, True),
+          ("pactrain-ternary-ef", "pactrain", {"ternary": True, "error_feedback": True}, True),
+          ("pactrain-ternary-2", "pactrain", {"ternary": True, "rounds": 2}, True)]
 
 
 @pytest.mark.slow

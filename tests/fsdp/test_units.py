@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from gcomp.bench import fsdp as bench_fsdp
+from gcomp.collectives import bitpack
 from gcomp.fsdp.layout import ShardLayout
 from gcomp.fsdp.support import ShardSupport
 
@@ -42,9 +43,36 @@ def test_shard_support_packs_each_row_padded_to_the_longest():
                        x * layout.shard_major([mask, None], 1.0, 0.0, torch.float32, "cpu").reshape(-1))
 
 
-def test_bench_fsdp_accepts_its_defaults_and_refuses_what_cannot_run():
+def test_ternary_rows_take_each_parameter_whole_and_lay_its_codes_in_the_packed_rows():
+    layout = _layout(rank=1)
+    mask = torch.tensor([[1, 0], [1, 1], [0, 0], [1, 0], [0, 1]])
+    support = ShardSupport(layout, [mask, None], "cpu")
+    rows = support.ternary
+    x = torch.arange(1.0, 19.0)
+    # the values: a's kept entries in a's own order (rows 0-1, 2-3, 4 of it), then b's 4 entries: DDP's segments
+    values = rows.values.gather(x, torch.empty(rows.values.kept))
+    assert torch.equal(values, torch.tensor([1., 3, 4, 9, 14, 5, 6, 11, 12]))
+    assert rows.values.segments == (5, 4) and rows.own.segments == (1, 2) and rows.own.kept == 3
+    # 3 ranks: 3-bit fields, 21 per word; K = 5 codes per row fit one word
+    assert (rows.bits, rows.words, rows.fields) == (3, 1, 21)
+    codes = torch.tensor([1, 2, 0, 2, 1, 0, 1, 2, 2], dtype=torch.uint8)  # one per value
+    fields = torch.zeros(3, rows.fields, dtype=torch.uint8)
+    words = rows.rows(torch.cat([codes, torch.zeros(12, dtype=torch.uint8)]), fields)
+    # each row in ShardSupport's packed order (its own a-entries, then its b-entries), zero-padded
+    expected = torch.zeros(3, 21, dtype=torch.int64)
+    expected[0, :5] = torch.tensor([1, 2, 0, 0, 1])  # a[0,0], a[1,0], a[1,1], b[0], b[1]
+    expected[1, :3] = torch.tensor([2, 2, 2])  # a[3,0], b[2], b[3]
+    expected[2, :1] = torch.tensor([1])  # a[4,1]
+    assert torch.equal(bitpack.unpack(words.reshape(-1), 63, 3).view(3, 21), expected)
+    # the rows the lanes decode: this rank's, in the order unpack_own writes
+    out = torch.zeros(6)
+    support.unpack_own(torch.tensor([7.0, 8, 9]), out)
+    assert torch.equal(out, torch.tensor([0., 0, 7, 0, 8, 9]))  # row 1 keeps a[3,0], b[2], b[3]
+
+
+def test_bench_fsdp_accepts_its_defaults_and_ternary_and_refuses_what_cannot_run():
     bench_fsdp.check_methods(list(bench_fsdp.DEFAULT_METHODS))
-    for text, words in (("torch:fp16", "DDP hook"), ("topk", "cannot serve FSDP2"),
-                        ("pactrain:ternary=true", "ternary=True is not supported")):
+    bench_fsdp.check_methods(["pactrain:ternary=true", "pactrain:ternary=true,rounds=2"])  # refused before
+    for text, words in (("torch:fp16", "DDP hook"), ("topk", "cannot serve FSDP2")):
         with pytest.raises(ValueError, match=words):
             bench_fsdp.check_methods([text])
