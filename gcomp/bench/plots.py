@@ -1,5 +1,6 @@
 """A comparison's plots (PNG, matplotlib where installed): accuracy against time, time to accuracy, bytes and
-the step's breakdown for the first bandwidth, and one plot per sweep (bandwidth, prune ratio).
+the step's breakdown for the first bandwidth, one plot per sweep (bandwidth, prune ratio), and for a bandwidth
+schedule each method's step time and cumulative time, step by step.
 
 A run that never reached the target gets no bar and a "not reached" label, never a bar of height 0.
 """
@@ -35,6 +36,9 @@ def all_plots(runs: list[dict], entries: list[dict], out: Path) -> dict[str, Pat
         made["bandwidth_sweep"] = _bandwidth_sweep(plt, entries, len(ratios) > 1, out)
     if len(ratios) > 1:
         made["prune_sweep"] = _prune_sweep(plt, at_first, out)
+    scheduled = [r for r in runs if r.get("segments") and r.get("step_times") and r.get("seed") == first_seed]
+    if scheduled:
+        made["step_times"] = _step_times(plt, scheduled, out)
     return made
 
 
@@ -170,6 +174,32 @@ def _prune_sweep(plt, entries, out):
     left.legend(fontsize=7)
     right.legend(fontsize=7)
     return _save(fig, out / "prune_ratio_sweep.png", plt)
+
+
+def _step_times(plt, runs, out):
+    """Step time (a running median of 5 steps, so that one slow step does not hide the trend) and cumulative
+    training time against the step, with the schedule's rate changes marked."""
+    import statistics
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for r in runs:
+        ms = [1000 * t for t in r["step_times"]]
+        smooth = [statistics.median(ms[max(0, i - 2):i + 3]) for i in range(len(ms))]
+        left.plot(range(len(ms)), smooth, label=_label(r, False), linewidth=1)
+        total, cumulative = 0.0, []
+        for t in r["step_times"]:
+            total += t
+            cumulative.append(total)
+        right.plot(range(len(ms)), cumulative, label=_label(r, False), linewidth=1)
+    for segment in runs[0]["segments"][1:]:
+        for ax in (left, right):
+            ax.axvline(segment["from_step"], color="grey", linestyle=":")
+    rates = " then ".join(f"{seg['rate']} from step {seg['from_step']}" for seg in runs[0]["segments"])
+    left.set(xlabel="step", ylabel="step time (ms, median of 5)", yscale="log", title=rates)
+    right.set(xlabel="step", ylabel="training time so far (s)", title="cumulative time")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    return _save(fig, out / "step_times.png", plt)
 
 
 def _save(fig, path: Path, plt) -> Path:
