@@ -76,3 +76,16 @@ def test_bench_fsdp_accepts_its_defaults_and_ternary_and_refuses_what_cannot_run
     for text, words in (("torch:fp16", "DDP hook"), ("topk", "cannot serve FSDP2")):
         with pytest.raises(ValueError, match=words):
             bench_fsdp.check_methods([text])
+
+
+def test_pactrain_codec_divides_first_with_ternary_and_refuses_group_granularity():
+    from types import SimpleNamespace
+
+    from gcomp.compressors.pactrain import PacTrainCompressor
+    from gcomp.fsdp.pactrain import PacTrainCodec
+
+    # ternary encodes the mean (as DDP's hook does: residuals and carried scales in its units); lossless sums first
+    assert PacTrainCodec(SimpleNamespace(compressor=PacTrainCompressor(ternary=True))).prescale
+    assert not PacTrainCodec(SimpleNamespace(compressor=PacTrainCompressor())).prescale
+    with pytest.raises(ValueError, match="granularity='groups' is not supported"):
+        PacTrainCodec(SimpleNamespace(compressor=PacTrainCompressor(granularity="groups")))
