@@ -61,6 +61,7 @@ class AutoCompressor(Compressor):
         self.stat_keys = tuple(keys) + STAT_KEYS
         self.active = list(range(len(specs)))
         self.workers = 1
+        self.clock = time.perf_counter
         self._flag_sizes: list[int] = []
         self.restart()
 
@@ -76,6 +77,9 @@ class AutoCompressor(Compressor):
         self.network: Network | None = None
         self._restart = False
         self._pending: Pending | None = None  # the last check's agreement, read at the next step
+        # while measuring, each candidate's whole steps: from one step's first bucket to the next one's
+        self.intervals: list[list[float]] = [[] for _ in self.methods]
+        self._step_began: tuple[float, int] | None = None  # when this step's first bucket came, and its candidate
         self.events: list[dict] = getattr(self, "events", [])  # kept across restarts: what happened when
 
     # --- binding ---------------------------------------------------------------------------------------------
@@ -134,8 +138,8 @@ class AutoCompressor(Compressor):
                 self._restart = True
         return record
 
-    def candidate_for(self, record: LayoutRecord) -> int:
-        if self.decided and record.chosen is not None:
+    def candidate_for(self, record: LayoutRecord | None) -> int:
+        if self.decided and record is not None and record.chosen is not None:
             return record.chosen
         explored = max(self.step - self.explore_from, 0) // self.trials
         return self.active[min(explored, len(self.active) - 1)]
@@ -152,11 +156,17 @@ class AutoCompressor(Compressor):
 
     def step_started(self, group, device: torch.device, stats: dict) -> None:
         self.step += 1
+        now = self.clock()
+        if self._step_began is not None:  # the step that just ended, whole: compute, every bucket, the optimizer
+            began, candidate = self._step_began
+            self.intervals[candidate].append(now - began)
+            self._step_began = None
         if self._restart:
             self.restart_from(self.step)
         if not self.decided:
             if self.step - self.explore_from < self.trials * len(self.active) and len(self.active) > 1:
                 stats["auto_explore_steps"] += 1
+                self._step_began = (now, self.candidate_for(None))
                 return
             self._timed(self._decide, group, device, stats)
             return
@@ -179,22 +189,30 @@ class AutoCompressor(Compressor):
 
     def _decide(self, group, device: torch.device, stats: dict) -> None:
         keys = sorted(self.records)
-        values = [float(len(keys)), -float(len(keys))]
+        values = [float(len(keys)), -float(len(keys))] + [_median_after_first(t) for t in self.intervals]
         for key in keys:
             values += self.records[key].vector()
         agreed = agree_max(values, group, device) if self.workers > 1 else values
         if agreed[0] != -agreed[1]:
             raise RuntimeError(f"auto: the ranks measured different numbers of bucket layouts ({int(-agreed[1])} to "
                                f"{int(agreed[0])}); every rank must run the same DDP model")
+        intervals, rows = agreed[2:2 + len(self.methods)], agreed[2 + len(self.methods):]
         self._probe(group, device, stats)
+        per_layout = WIDTH * len(self.methods)
+        walls = {i: sum(rows[n * per_layout + i * WIDTH] + rows[n * per_layout + i * WIDTH + 1]
+                        for n in range(len(keys))) for i in self.active}
         for n, key in enumerate(keys):
-            row = agreed[2 + n * WIDTH * len(self.methods):]
+            row = rows[n * per_layout:]
             costs = {}
             for i in self.active:
                 codec_s, wait_s = row[i * WIDTH], row[i * WIDTH + 1]
                 launched = LayoutRecord.launched(row[i * WIDTH:], self.workers)
-                # what the wait held beyond the collectives' price on this link: priced alike on the next one
-                overhead_s = max(wait_s - launched_s(launched, self.workers, self.network), 0.0)
+                # What the step took beyond this candidate's buckets (the same compute for every candidate, and
+                # what its buckets' walls do not see: peers late on shared cores, DDP's copies), shared out over
+                # the layouts; with what the wait held beyond the collectives' price on this link, it is priced
+                # alike on the next link.
+                rest_s = (intervals[i] - walls[i]) / len(keys) if intervals[i] > 0 else 0.0
+                overhead_s = max(wait_s - launched_s(launched, self.workers, self.network) + rest_s, 0.0)
                 costs[i] = BucketCost(codec_s, launched, overhead_s)
             self.costs[key] = costs
         self._choose(stats)
@@ -228,14 +246,12 @@ class AutoCompressor(Compressor):
         self.checked_at = self.step
 
     def _check(self, group, device, stats: dict) -> None:
-        """Launch the agreement on how far the chosen methods' waits (wall less codec seconds, the median of the
-        later half since the last check, so that a change inside the window shows) are from their priced
-        collectives; ``_read_check`` acts on it at the next step."""
+        """Launch the agreement on how far the chosen methods' waits (wall less codec seconds, their median since
+        the last check) are from their priced collectives; ``_read_check`` acts on it at the next step."""
         measured = predicted = 0.0
         for key, record in self.records.items():
             if record.waits and record.chosen is not None and key in self.costs:
-                waits = record.waits[len(record.waits) // 2:]
-                measured += statistics.median(waits)
+                measured += statistics.median(record.waits)
                 predicted += launched_s(self.costs[key][record.chosen].launched, self.workers, self.network)
             record.waits.clear()
         ratio = measured / predicted if predicted > 0 else 0.0
@@ -342,6 +358,12 @@ class AutoMethod(Method):
     def choices(self) -> dict[str, str]:
         """The method chosen per bucket layout, once decided (``AutoCompressor.choices``)."""
         return self.compressor.choices()
+
+
+def _median_after_first(samples: list[float]) -> float:
+    """The median of ``samples`` past the first (which pays a switch and first-time costs); 0 for none."""
+    kept = samples[1:] if len(samples) > 1 else samples
+    return statistics.median(kept) if kept else 0.0
 
 
 def _create(spec: str) -> Method:

@@ -39,7 +39,7 @@ def auto(
     margin: Annotated[float, Range(0, 1, high_open=True), "how much faster another method must be predicted to "
                                                            "switch to it"] = 0.1,
     reprobe_above: Annotated[float, Range(0, None, low_open=True), "drift of the waits (relative) that triggers a "
-                                                                    "new probe of the link"] = 1.0,
+                                                                    "new probe of the link"] = 2.0,
 ) -> Method:
     """The method chosen per bucket from the link and the codecs it measures, and changed when the link
     changes: every allowed method runs a few steps, timed, the link is probed, and each bucket takes the one
