@@ -77,6 +77,7 @@ class AutoCompressor(Compressor):
         self.network: Network | None = None
         self._restart = False
         self._pending: Pending | None = None  # the last check's agreement, read at the next step
+        self.check_due = False
         # while measuring, each candidate's whole steps: from one step's first bucket to the next one's
         self.intervals: list[list[float]] = [[] for _ in self.methods]
         self._step_began: tuple[float, int] | None = None  # when this step's first bucket came, and its candidate
@@ -172,8 +173,7 @@ class AutoCompressor(Compressor):
             return
         if self._pending is not None:
             self._timed(self._read_check, group, device, stats)
-        if self.step - self.checked_at >= self.probe_every:
-            self._timed(self._check, group, device, stats)
+        self.check_due = self.step - self.checked_at >= self.probe_every  # launched after the last bucket
 
     def restart_from(self, step: int) -> None:
         old = self.records
@@ -244,6 +244,13 @@ class AutoCompressor(Compressor):
                 self.events.append({"step": int(stats["steps"]), "bucket": record.bucket.index,
                                     "from": current, "to": choice.method})
         self.checked_at = self.step
+
+    def after_bucket(self, bucket: BucketInfo, group, device: torch.device, stats: dict) -> None:
+        """A check due this step is launched once the step's last bucket has launched its collectives, so that
+        its round trip runs beside the optimizer and the next forward instead of ahead of a bucket."""
+        if self.check_due and bucket.index == max(r.bucket.index for r in self.records.values()):
+            self.check_due = False
+            self._timed(self._check, group, device, stats)
 
     def _check(self, group, device, stats: dict) -> None:
         """Launch the agreement on how far the chosen methods' waits (wall less codec seconds, their median since
@@ -344,6 +351,7 @@ class AutoMethod(Method):
         predicted = record.predicted.get(index) if record.chosen == index else None
         start = time.perf_counter()
         future = auto.methods[index].reduce(buffer, bucket, group, own)
+        auto.after_bucket(bucket, group, buffer.device, stats)
 
         def measured(fut: torch.futures.Future) -> torch.Tensor:
             wall_s = time.perf_counter() - start

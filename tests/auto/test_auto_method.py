@@ -111,6 +111,7 @@ def _run_step(auto, stats, info, wait_s, fakes=FAKE) -> str:
     spec = auto.specs[index]
     fake = fakes[spec]
     wait = wait_s[spec] if isinstance(wait_s, dict) else wait_s
+    auto.after_bucket(info, None, torch.device("cpu"), stats)
     record.observe(index, fake, fake["encode_s"] + wait)
     auto.now += COMPUTE_S + fake["encode_s"] + wait  # the whole step: compute, then this one bucket
     return spec
