@@ -112,6 +112,12 @@ def create(name: str, **params) -> Method:
     return _spec(name).create(**params)
 
 
+def from_spec(text: str) -> Method:
+    """``create`` of a method spec (``"topk:ratio=0.05"``, as ``parse_spec`` reads it)."""
+    name, params = parse_spec(text)
+    return create(name, **params)
+
+
 def parse_spec(text: str) -> tuple[str, dict]:
     """Split a method spec, ``name`` or ``name:key=value,...`` (``"topk:ratio=0.05"``), into the name and its
     parameters, each value typed by the parameter's declared type (a bool is true, false, 1 or 0).

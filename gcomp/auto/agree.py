@@ -1,28 +1,18 @@
 """``auto``'s own collectives: the ranks agreeing on what they measured, and the timed probe of the link."""
 from __future__ import annotations
 
-import math
-import time
-
 import torch
 import torch.distributed as dist
 
 from gcomp.auto.choice import link_network
 from gcomp.bench.collective_costs import Network
-from gcomp.bench.throughput import link_from_timings
+from gcomp.bench.throughput import link_from_timings, timed_allreduce_s
 
 PROBE_SMALL_BYTES = 1024
 # the large probe: the largest bucket, within these bounds (at 100 Mbit/s on 4 ranks 512 KiB takes about 63 ms, so
 # the bytes still dominate its time at 1 Gbit/s while a probe costs a few steps' worth on slow links)
 PROBE_LARGE_BYTES = (128 * 1024, 512 * 1024)
 PROBE_REPEATS = (2, 1)  # small, large: the fastest of this many (no warm-up: training already opened the links)
-
-
-def comm_device(group, like: torch.device) -> torch.device:
-    """Where tensors for ``group``'s collectives live: NCCL reduces CUDA tensors only."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return like if like.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def agree_max(values: list[float], group, device: torch.device) -> list[float]:
@@ -50,27 +40,14 @@ def launch_max(values: list[float], group, device: torch.device) -> Pending:
     return Pending(dist.all_reduce(tensor, dist.ReduceOp.MAX, group=group, async_op=True), tensor)
 
 
-def _fastest_allreduce_s(nbytes: int, repeats: int, group, device: torch.device) -> float:
-    tensor = torch.zeros(max(nbytes // 8, 1), dtype=torch.int64, device=device)
-    best = math.inf
-    for _ in range(repeats):
-        dist.barrier(group=group)  # every rank starts together: what the path takes, not a late rank
-        start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
-        if tensor.device.type == "cuda":
-            torch.cuda.synchronize(tensor.device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def probe_network(group, device: torch.device, bucket_bytes: int = 0) -> Network:
     """The link as ``auto`` prices it: timed all-reduces of 1 KiB and of the largest bucket's bytes (within
     ``PROBE_LARGE_BYTES``), α and β derived as ``gcomp.bench.throughput.link_from_timings`` does, the slowest
     rank's agreed by all."""
     low, high = PROBE_LARGE_BYTES
     large = min(max(int(bucket_bytes), low), high)
-    small_s = _fastest_allreduce_s(PROBE_SMALL_BYTES, PROBE_REPEATS[0], group, device)
-    large_s = _fastest_allreduce_s(large, PROBE_REPEATS[1], group, device)
+    small_s = timed_allreduce_s(PROBE_SMALL_BYTES, PROBE_REPEATS[0], group, device, warmup=False)
+    large_s = timed_allreduce_s(large, PROBE_REPEATS[1], group, device, warmup=False)
     link = link_from_timings(small_s, large_s, dist.get_world_size(group), PROBE_SMALL_BYTES, large)
     alpha_s, beta_s = agree_max([link["alpha_s"] or 0.0, link["beta_s"] or 0.0], group, device)
     return link_network(alpha_s, beta_s)

@@ -16,17 +16,17 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gcomp.auto.agree import Pending, agree_max, comm_device, launch_max, probe_network
+from gcomp.auto.agree import Pending, agree_max, launch_max, probe_network
 from gcomp.auto.choice import BucketCost, choose
-from gcomp.auto.record import WIDTH, LayoutRecord
+from gcomp.auto.record import WIDTH, LayoutRecord, median_after_first
 from gcomp.auto.tee import TeeStats
 from gcomp.bench.collective_costs import Network, launched_s
 from gcomp.bucket import BucketInfo
 from gcomp.core import Communicator, Compressor, Method, Payload, check_state
 from gcomp.device_future import then_on
 from gcomp.memory import NoMemory
-from gcomp.pruning.masks import named_masks
-from gcomp.registry import create, parse_spec
+from gcomp.pruning.masks import comm_device, named_masks
+from gcomp.registry import from_spec
 
 AUTO = "auto"  # the collective kind of a method that runs its candidates' collectives
 STAT_KEYS = ("auto_explore_steps", "auto_probes", "auto_switches", "auto_agree_s", "auto_predicted_s",
@@ -48,7 +48,7 @@ class AutoCompressor(Compressor):
     def __init__(self, specs: list[str], preset_pactrain: bool, probe_every: int, trials: int, margin: float,
                  reprobe_above: float):
         self.specs = specs
-        self.methods = [_create(spec) for spec in specs]
+        self.methods = [from_spec(spec) for spec in specs]
         self.preset_pactrain = preset_pactrain  # pactrain came with a preset: kept only on a pruned model
         self.probe_every, self.trials, self.margin, self.reprobe_above = probe_every, trials, margin, reprobe_above
         self.lossless = all(m.compressor.lossless for m in self.methods)
@@ -78,6 +78,7 @@ class AutoCompressor(Compressor):
         self._restart = False
         self._pending: Pending | None = None  # the last check's agreement, read at the next step
         self.check_due = False
+        self.last_index = -1  # the step's last bucket, once decided
         # while measuring, each candidate's whole steps: from one step's first bucket to the next one's
         self.intervals: list[list[float]] = [[] for _ in self.methods]
         self._step_began: tuple[float, int] | None = None  # when this step's first bucket came, and its candidate
@@ -169,7 +170,8 @@ class AutoCompressor(Compressor):
                 stats["auto_explore_steps"] += 1
                 self._step_began = (now, self.candidate_for(None))
                 return
-            self._timed(self._decide, group, device, stats)
+            if self.records:  # a lone candidate decides once its layouts are known, after the first step
+                self._timed(self._decide, group, device, stats)
             return
         if self._pending is not None:
             self._timed(self._read_check, group, device, stats)
@@ -184,12 +186,14 @@ class AutoCompressor(Compressor):
 
     def _timed(self, fn, group, device, stats) -> None:
         begin = time.perf_counter()
-        fn(group, comm_device(group, device), stats)
+        if dist.is_initialized():  # NCCL reduces CUDA tensors only
+            device = comm_device(group, device if device.type == "cuda" else torch.device("cuda"))
+        fn(group, device, stats)
         stats["auto_agree_s"] += time.perf_counter() - begin
 
     def _decide(self, group, device: torch.device, stats: dict) -> None:
         keys = sorted(self.records)
-        values = [float(len(keys)), -float(len(keys))] + [_median_after_first(t) for t in self.intervals]
+        values = [float(len(keys)), -float(len(keys))] + [median_after_first(t) for t in self.intervals]
         for key in keys:
             values += self.records[key].vector()
         agreed = agree_max(values, group, device) if self.workers > 1 else values
@@ -217,6 +221,7 @@ class AutoCompressor(Compressor):
             self.costs[key] = costs
         self._choose(stats)
         self.decided = True
+        self.last_index = max(r.bucket.index for r in self.records.values())  # a new layout measures again
 
     def _probe(self, group, device, stats) -> None:
         largest = max((r.bucket.numel * r.bucket.dtype.itemsize for r in self.records.values()), default=0)
@@ -248,7 +253,7 @@ class AutoCompressor(Compressor):
     def after_bucket(self, bucket: BucketInfo, group, device: torch.device, stats: dict) -> None:
         """A check due this step is launched once the step's last bucket has launched its collectives, so that
         its round trip runs beside the optimizer and the next forward instead of ahead of a bucket."""
-        if self.check_due and bucket.index == max(r.bucket.index for r in self.records.values()):
+        if self.check_due and bucket.index == self.last_index:
             self.check_due = False
             self._timed(self._check, group, device, stats)
 
@@ -366,17 +371,6 @@ class AutoMethod(Method):
     def choices(self) -> dict[str, str]:
         """The method chosen per bucket layout, once decided (``AutoCompressor.choices``)."""
         return self.compressor.choices()
-
-
-def _median_after_first(samples: list[float]) -> float:
-    """The median of ``samples`` past the first (which pays a switch and first-time costs); 0 for none."""
-    kept = samples[1:] if len(samples) > 1 else samples
-    return statistics.median(kept) if kept else 0.0
-
-
-def _create(spec: str) -> Method:
-    name, params = parse_spec(spec)
-    return create(name, **params)
 
 
 def make_auto(specs: list[str], preset_pactrain: bool, probe_every: int, trials: int, margin: float,

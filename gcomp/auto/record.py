@@ -59,10 +59,7 @@ class LayoutRecord:
     def wait_s(self, candidate: int) -> float:
         """The candidate's wait seconds while measuring: the median of its buckets after the first; 0 when it
         never ran here."""
-        samples = self.waited[candidate]
-        if not samples:
-            return 0.0
-        return statistics.median(samples[1:] if len(samples) > 1 else samples)
+        return median_after_first(self.waited[candidate])
 
     def vector(self) -> list[float]:
         """This rank's measurements, ``WIDTH`` values per candidate, for the ranks to agree on (MAX)."""
@@ -78,3 +75,9 @@ class LayoutRecord:
         bucket's."""
         counts = dict(zip(COUNTS, values[2:WIDTH]))
         return Launched(workers, buckets=1, **counts)
+
+
+def median_after_first(samples: list[float]) -> float:
+    """The median of ``samples`` past the first (which pays a switch and first-time costs); 0 for none."""
+    kept = samples[1:] if len(samples) > 1 else samples
+    return statistics.median(kept) if kept else 0.0

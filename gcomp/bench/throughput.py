@@ -80,14 +80,16 @@ PROBE_LARGE_BYTES = 1 << 20  # large enough that the bytes, not the messages, do
 PROBE_REPEATS = (15, 3)  # small, large: the fastest of this many, after one untimed warm-up of each
 
 
-def _timed_allreduce_s(nbytes: int, repeats: int, group, device) -> float:
+def timed_allreduce_s(nbytes: int, repeats: int, group, device, warmup: bool = True) -> float:
     """The fastest of ``repeats`` all-reduces of ``nbytes`` on this rank, every rank starting together: what the
-    path itself takes (other work on the machine only ever adds to it)."""
+    path itself takes (other work on the machine only ever adds to it). ``warmup``: one untimed all-reduce
+    first (connections, buffers); a running job whose training opened them needs none."""
     import torch
     import torch.distributed as dist
 
     tensor = torch.zeros(max(nbytes // 8, 1), dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, group=group)  # warm-up: connections, buffers
+    if warmup:
+        dist.all_reduce(tensor, group=group)
     samples = []
     for _ in range(repeats):
         dist.barrier(group=group)
@@ -120,8 +122,8 @@ def probe_link(group=None, small_bytes: int = PROBE_SMALL_BYTES, large_bytes: in
     import torch.distributed as dist
 
     workers = dist.get_world_size(group)
-    small = _timed_allreduce_s(small_bytes, repeats[0], group, device)
-    large = _timed_allreduce_s(large_bytes, repeats[1], group, device)
+    small = timed_allreduce_s(small_bytes, repeats[0], group, device)
+    large = timed_allreduce_s(large_bytes, repeats[1], group, device)
     return {**link_from_timings(small, large, workers, small_bytes, large_bytes), "probe_small_s": small,
             "probe_large_s": large, "probe_small_bytes": small_bytes, "probe_large_bytes": large_bytes}
 

@@ -13,7 +13,7 @@ from gcomp.collectives.futures import launched, when_done
 from gcomp.core import HIERARCHICAL, Communicator, Compressor, Method, Payload, check_state
 from gcomp.memory import NoMemory
 from gcomp.params import Range
-from gcomp.registry import Nested, create, parse_spec, register
+from gcomp.registry import Nested, from_spec, register
 from gcomp.topology import Topology
 
 
@@ -126,8 +126,7 @@ def hierarchical(
     ``gcomp.create``) between node leaders only, then a broadcast inside each node: only leaders cross the
     (slow) network between nodes."""
     try:
-        name, params = parse_spec(inner)
-        method = create(name, **params)
+        method = from_spec(inner)
     except ValueError as err:
         raise ValueError(f"hierarchical: parameter 'inner': {err}") from None
     if method.communicator.collective == HIERARCHICAL:

@@ -120,6 +120,20 @@ def _run_step(auto, stats, info, wait_s, fakes=FAKE) -> str:
 COMPUTE_S = 2e-3
 
 
+def _no_collectives(monkeypatch, link) -> None:
+    """``link`` as the probe; the agreements pass this rank's values through (one fake rank speaks for all)."""
+    monkeypatch.setattr(auto_method, "probe_network", link)
+    monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
+    monkeypatch.setattr(auto_method, "launch_max", lambda values, group, device: Pending(None, torch.tensor(values)))
+
+
+def _small_bucket(topk_encode_s: float) -> dict:
+    """identity all-reducing the 1.2 MB bucket of the bench's MLP, topk all-gathering 24 KB of it."""
+    return {"identity": {"encode_s": 0.0, "rounds": 1, "allreduce_calls": 1, "allreduce_bytes": 1.2 * MB},
+            "topk:ratio=0.02": {"encode_s": topk_encode_s, "rounds": 1, "allgather_calls": 1,
+                                "allgather_bytes": 24e3}}
+
+
 def _auto(**params):
     """``auto``'s compressor on 4 fake ranks, on a clock that the fake steps move."""
     auto = gcomp.create("auto", **params).compressor
@@ -130,9 +144,7 @@ def _auto(**params):
 
 def test_explores_then_picks_the_fastest_and_switches_when_the_link_drops(monkeypatch):
     link = FakeLink(Network.parse("100gbit"), Network.parse("100mbit"))
-    monkeypatch.setattr(auto_method, "probe_network", link)
-    monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
-    monkeypatch.setattr(auto_method, "launch_max", lambda values, group, device: Pending(None, torch.tensor(values)))
+    _no_collectives(monkeypatch, link)
     auto = _auto(allow=list(FAKE), trials=2, probe_every=3, reprobe_above=1.0)
     stats = _stats(auto)
     info = BucketInfo.single(torch.zeros(MB))
@@ -151,9 +163,7 @@ def test_explores_then_picks_the_fastest_and_switches_when_the_link_drops(monkey
 
 def test_steady_waits_never_probe_again(monkeypatch):
     link = FakeLink(Network.parse("100gbit"))
-    monkeypatch.setattr(auto_method, "probe_network", link)
-    monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
-    monkeypatch.setattr(auto_method, "launch_max", lambda values, group, device: Pending(None, torch.tensor(values)))
+    _no_collectives(monkeypatch, link)
     auto = _auto(allow=list(FAKE), trials=1, probe_every=2)
     stats = _stats(auto)
     info = BucketInfo.single(torch.zeros(MB))
@@ -163,9 +173,7 @@ def test_steady_waits_never_probe_again(monkeypatch):
 
 
 def test_a_layout_seen_after_the_decision_is_measured_again(monkeypatch):
-    monkeypatch.setattr(auto_method, "probe_network", FakeLink(Network.parse("100gbit")))
-    monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
-    monkeypatch.setattr(auto_method, "launch_max", lambda values, group, device: Pending(None, torch.tensor(values)))
+    _no_collectives(monkeypatch, FakeLink(Network.parse("100gbit")))
     auto = _auto(allow=list(FAKE), trials=1)
     stats = _stats(auto)
     first, rebuilt = BucketInfo.single(torch.zeros(MB)), BucketInfo.single(torch.zeros(MB), name="other")
@@ -189,10 +197,8 @@ def test_the_waits_measured_while_measuring_correct_the_price(monkeypatch):
     """Unshaped loopback as measured on 4 ranks on 2 cores: the probe saw 2.8 Gbit/s and 0.7 ms per message, so
     the formulas price topk's all-gather of 24 KB at about 2 ms and identity's 1.2 MB all-reduce at about 9 ms,
     but topk's buckets waited 13.4 ms (peers still encoding on shared cores) and identity's 11.5 ms: identity."""
-    monkeypatch.setattr(auto_method, "probe_network", FakeLink(Network(2.8e9, 0.7e-3)))
-    monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
-    fakes = {"identity": {"encode_s": 0.0, "rounds": 1, "allreduce_calls": 1, "allreduce_bytes": 1.2 * MB},
-             "topk:ratio=0.02": {"encode_s": 3e-3, "rounds": 1, "allgather_calls": 1, "allgather_bytes": 24e3}}
+    _no_collectives(monkeypatch, FakeLink(Network(2.8e9, 0.7e-3)))
+    fakes = _small_bucket(topk_encode_s=3e-3)
     waits = {"identity": 11.5e-3, "topk:ratio=0.02": 13.4e-3}
     auto = _auto(allow=list(fakes), trials=2)
     stats = _stats(auto)
@@ -208,10 +214,8 @@ def test_the_waits_measured_while_measuring_correct_the_price(monkeypatch):
 def test_whole_steps_measured_while_measuring_count_what_the_buckets_do_not_see(monkeypatch):
     """Both candidates' buckets take 10 ms from encode to result, but topk's steps last 6 ms longer (peers that
     encode late on shared cores hold the next step back): the steps decide, identity."""
-    monkeypatch.setattr(auto_method, "probe_network", FakeLink(Network(1e10, 1e-4)))
-    monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
-    fakes = {"identity": {"encode_s": 0.0, "rounds": 1, "allreduce_calls": 1, "allreduce_bytes": 1.2 * MB},
-             "topk:ratio=0.02": {"encode_s": 2e-3, "rounds": 1, "allgather_calls": 1, "allgather_bytes": 24e3}}
+    _no_collectives(monkeypatch, FakeLink(Network(1e10, 1e-4)))
+    fakes = _small_bucket(topk_encode_s=2e-3)
     waits = {"identity": 10e-3, "topk:ratio=0.02": 8e-3}
     auto = _auto(allow=list(fakes), trials=3)
     stats = _stats(auto)
