@@ -332,6 +332,32 @@ class Method:
         """True when the method keeps per-bucket state across steps (and so waits for DDP's final buckets)."""
         return self.memory.stateful or self.compressor.stateful
 
+    @property
+    def collective(self) -> str:
+        """How ranks' payloads are combined (one of ``COLLECTIVES``): the communicator's."""
+        return self.communicator.collective
+
+    @property
+    def lossless(self) -> bool:
+        return self.compressor.lossless
+
+    @property
+    def decodes_alone(self) -> bool:
+        return self.compressor.decodes_alone
+
+    @property
+    def depends_on_layout(self) -> bool:
+        return self.compressor.depends_on_layout
+
+    @property
+    def reads_model(self) -> bool:
+        return self.compressor.reads_model
+
+    @property
+    def error_feedback(self) -> bool:
+        """True when the method's ``Memory`` keeps what was not sent (a residual per bucket)."""
+        return self.memory.stateful
+
     def reduce(self, buffer: torch.Tensor, bucket: BucketInfo, group: dist.ProcessGroup | None, stats: dict
                ) -> torch.futures.Future:
         """Reduce one flat bucket over ``group`` (already divided by the world size): compensate, compress,
