@@ -1,4 +1,4 @@
-"""gcomp: pluggable gradient compression for PyTorch DistributedDataParallel.
+"""gcomp: pluggable gradient compression for PyTorch DistributedDataParallel and FSDP2.
 
     import gcomp
     state = gcomp.install(ddp_model, "topk", ratio=0.01)   # one hook, any registered method
@@ -6,21 +6,18 @@
 """
 from gcomp.attach import comm_hook, install
 from gcomp.bucket import BucketInfo
-from gcomp.core import (ALLGATHER, ALLREDUCE, HIERARCHICAL, POINT_TO_POINT, Communicator, Compressor, Memory, Method,
+from gcomp.core import (ALLGATHER, ALLREDUCE, HIERARCHICAL, POINT_TO_POINT, Communicator, Compressor, Memory,
                         Payload)
 from gcomp.hook import HookState
 from gcomp.memory import NoMemory, ResidualMemory
+from gcomp.method import Method, MethodUnit
 from gcomp.params import OneOf, Range
 from gcomp.registry import UnknownMethodError, available, create, describe, register, spec
 
 from gcomp import compressors, packing, pruning  # noqa: E402,F401  (registers the built-in methods)
 
-# ``gcomp.pruning.GroupSupport`` is ``gcomp.packing.GroupSupport`` under the name it first had; set here, so that
-# gcomp.pruning itself imports nothing from gcomp.packing (the floor above it).
-pruning.GroupSupport = packing.GroupSupport
-
 __version__ = "0.1.0"
 
 __all__ = ["ALLGATHER", "ALLREDUCE", "BucketInfo", "Communicator", "Compressor", "HIERARCHICAL", "HookState", "Memory",
-           "Method", "NoMemory", "OneOf", "POINT_TO_POINT", "Payload", "Range", "ResidualMemory", "UnknownMethodError",
-           "available", "comm_hook", "create", "describe", "install", "register", "spec"]
+           "Method", "MethodUnit", "NoMemory", "OneOf", "POINT_TO_POINT", "Payload", "Range", "ResidualMemory",
+           "UnknownMethodError", "available", "comm_hook", "create", "describe", "install", "register", "spec"]

@@ -1,9 +1,10 @@
-"""Making a hook state and putting it on a DDP model: ``gcomp.comm_hook`` for trainers that register the hook
-themselves, ``gcomp.install`` for a DDP model at hand (``gcomp.hook`` holds the hook and its state), or for a
-``fully_shard``-ed model (FSDP2: ``gcomp.fsdp`` puts a gcomp reduce-scatter on each of its FSDP modules)."""
+"""Putting a method on a model: ``gcomp.comm_hook`` for trainers that register the DDP hook themselves, and
+``gcomp.install`` for a model at hand: a DDP model (``gcomp.hook`` holds the hook and its state) or a
+``fully_shard``-ed one (FSDP2: ``gcomp.fsdp`` puts a gcomp reduce-scatter on each of its FSDP modules)."""
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Callable, Union
 
 import torch
@@ -11,26 +12,20 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from gcomp.core import Method
 from gcomp.hook import HookState, gcomp_hook
-from gcomp.registry import create
+from gcomp.method import MethodUnit
+from gcomp.registry import method_from
 
 _log = logging.getLogger("gcomp")
 
 
-def make_method(name_or_method: Union[str, Method], params: dict) -> Method:
-    """A registered name (``params`` go to ``gcomp.create``, validated there) or a ``Method`` built by hand."""
-    if isinstance(name_or_method, str):
-        return create(name_or_method, **params)
-    if isinstance(name_or_method, Method):
-        if params:
-            raise ValueError(f"parameters {sorted(params)} were given with an already created Method; "
-                             "pass them to gcomp.create instead")
-        return name_or_method
-    raise TypeError(f"name_or_method must be a method name or a gcomp.Method; got {type(name_or_method).__name__}")
+def make_method(name_or_method: Union[str, MethodUnit], params: dict) -> MethodUnit:
+    """Deprecated: ``gcomp.registry.method_from``."""
+    warnings.warn("gcomp.attach.make_method is gcomp.registry.method_from", DeprecationWarning, stacklevel=2)
+    return method_from(name_or_method, params)
 
 
-def comm_hook(name_or_method: Union[str, Method], process_group: dist.ProcessGroup | None = None,
+def comm_hook(name_or_method: Union[str, MethodUnit], process_group: dist.ProcessGroup | None = None,
               model: torch.nn.Module | None = None, **params) -> tuple[HookState, Callable]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``, or for a trainer that registers the
     hook itself (Lightning: ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)``).
@@ -41,18 +36,17 @@ def comm_hook(name_or_method: Union[str, Method], process_group: dist.ProcessGro
     pruning masks seen; without, by their place in the first step's buckets (``HookState`` says what each
     gives). One state serves one DDP model.
     """
-    method = make_method(name_or_method, params)
+    method = method_from(name_or_method, params)
     return HookState(method, model, process_group), gcomp_hook
 
 
-def install(ddp_model: DistributedDataParallel, name_or_method: Union[str, Method],
+def install(model: torch.nn.Module | None = None, name_or_method: Union[str, MethodUnit, None] = None,
             process_group: dist.ProcessGroup | None = None, *, if_distributed: bool = False,
             **params) -> HookState | None:
-    """Register gcomp's communication hook on a DDP model and return its state.
-
-    A ``fully_shard``-ed model (FSDP2's ``FSDPModule``, the root of the tree) gets gcomp's reduce-scatter on every
-    FSDP module instead, and an ``FSDPState`` is returned (``gcomp.fsdp``); methods without an FSDP codec are
-    refused there, naming those that have one (``gcomp.fsdp.fsdp_methods()``).
+    """Put a method on ``model`` and return its state: on a DDP model, gcomp's communication hook (a
+    ``HookState``); on a ``fully_shard``-ed model (FSDP2's ``FSDPModule``, the root of the tree), gcomp's
+    reduce-scatter on every FSDP module (an ``FSDPState``, ``gcomp.fsdp``): methods without an FSDP2 row strategy
+    are refused there, naming those that have one (``gcomp.available(fsdp=True)``).
 
     ``name_or_method`` is a registered name (``params`` go to ``gcomp.create``) or a ``Method`` built by hand.
     Collectives run on ``process_group``, by default the DDP model's own. A ``torch.compile``d DDP model is
@@ -63,6 +57,12 @@ def install(ddp_model: DistributedDataParallel, name_or_method: Union[str, Metho
     a group of one, is left as it is with one info line (logger ``gcomp``), and None is returned. By default,
     or with more than one process, a model that is not DDP is a ``TypeError``.
     """
+    if "ddp_model" in params and model is None:  # its name until 0.1, when install took DDP models only
+        warnings.warn("gcomp.install(ddp_model=...) is now install(model=...)", DeprecationWarning, stacklevel=2)
+        model = params.pop("ddp_model")
+    if model is None or name_or_method is None:
+        raise TypeError("gcomp.install takes a model and a method: install(model, 'topk', ratio=0.01)")
+    ddp_model = model
     inner = getattr(ddp_model, "_orig_mod", None)  # torch.compile's OptimizedModule wraps the DDP model
     if isinstance(inner, DistributedDataParallel):
         ddp_model = inner  # the hook lives on DDP's reducer, which the compiled module runs as it is
@@ -70,11 +70,11 @@ def install(ddp_model: DistributedDataParallel, name_or_method: Union[str, Metho
         ddp_model = inner
     if isinstance(ddp_model, FSDPModule):
         from gcomp.fsdp.install import install_fsdp  # FSDP2's own modules load only when used
-        return install_fsdp(ddp_model, make_method(name_or_method, params), process_group)
+        return install_fsdp(ddp_model, method_from(name_or_method, params), process_group)
     if not isinstance(ddp_model, DistributedDataParallel):
         alone = not dist.is_initialized() or dist.get_world_size() == 1
         if if_distributed and alone and isinstance(ddp_model, torch.nn.Module):
-            make_method(name_or_method, params)  # a bad name or parameter is an error on one process too
+            method_from(name_or_method, params)  # a bad name or parameter is an error on one process too
             _log.info("gcomp.install: one process and no DistributedDataParallel model (%s): nothing to "
                       "compress, no hook installed", type(ddp_model).__name__)
             return None

@@ -5,10 +5,11 @@ patterns (rank 0 saves, every rank loads) would hand every rank rank 0's residua
 along another trajectory without a word. So ``HookState.state_dict()`` records the world size and files this
 rank's part under its rank::
 
-    {"format": "gcomp.hook/2", "method": ..., "params": ..., "world_size": N, "iteration": ...,
-     "ranks": {"rank<r>": <bytes: torch.save of {"stats", "memory", "compressor"}>}}
+    {"format": "gcomp.hook/3", "method": ..., "params": ..., "world_size": N, "iteration": ...,
+     "ranks": {"rank<r>": <bytes: torch.save of {"stats", "method"}>}}
 
-and ``HookState.load_state_dict`` takes its own rank's part, refusing another rank's (unless the method's state
+(a part: ``{"stats": ..., "method": <the method's state_dict>}``; a ``gcomp.Method``'s is ``{"memory": ...,
+"compressor": ...}``) and ``HookState.load_state_dict`` takes its own rank's part, refusing another rank's (unless the method's state
 is the same on every rank). ``HookState.gather_state_dict()`` fills ``ranks`` with every rank's part (one
 collective), so one file on rank 0 resumes every rank, and a different world size resumes where the method
 can say how (residuals are summed: old rank j goes to new rank j mod N). Each rank's part is one bytes value,
@@ -24,9 +25,11 @@ from typing import Any
 
 import torch
 
-from gcomp.core import Method, check_state
+from gcomp.method import Method, MethodUnit
+from gcomp.state_checks import check_state
 
-STATE_FORMAT = "gcomp.hook/2"
+STATE_FORMAT = "gcomp.hook/3"
+PARTS_FORMAT = "gcomp.hook/2"  # each rank's part {"stats", "memory", "compressor"}: read, upgraded
 LEGACY_FORMAT = "gcomp.hook/1"  # one rank's state, no rank recorded
 HOW_TO_SAVE = ("save every rank's state in one object with hook_state.gather_state_dict() (a collective; then "
                "save it on one rank), or torch.distributed.checkpoint (dcp.save({'gcomp': hook_state})), or each "
@@ -49,11 +52,43 @@ def unpack(key: str, blob: bytes) -> dict:
     except Exception as err:  # noqa: BLE001 -- any unreadable part is the same user error
         raise ValueError(f"gcomp checkpoint: the state of {key} cannot be read ({type(err).__name__}: {err}); "
                          "the file is truncated or not a gcomp hook state") from err
-    check_state(f"gcomp checkpoint ({key})", part, {"stats": dict, "memory": dict, "compressor": dict})
+    check_state(f"gcomp checkpoint ({key})", part, {"stats": dict, "method": dict})
     return part
 
 
-def check_header(state: Any, method: Method) -> None:
+def upgrade(state: Any, method: MethodUnit, rank: int, world_size: int) -> Any:
+    """A checkpoint of an earlier format in today's: the first (one rank's state, taken as this rank's own, with
+    a warning), or the second (each rank's part held the method's memory and compressor states side by side;
+    a composite's memory was empty and its compressor's state is the composite's state now). Anything else is
+    returned as it is, for ``check_header`` to judge."""
+    if not isinstance(state, dict):
+        return state
+    if state.get("format") == LEGACY_FORMAT:
+        state = from_legacy(state, rank, world_size)
+    if state.get("format") != PARTS_FORMAT or not isinstance(state.get("ranks"), dict):
+        return state
+    ranks = {}
+    for key, blob in state["ranks"].items():
+        if not isinstance(blob, bytes):
+            return state  # check_header names what is wrong
+        try:
+            part = torch.load(io.BytesIO(blob), weights_only=True)
+        except Exception as err:  # noqa: BLE001 -- any unreadable part is the same user error
+            raise ValueError(f"gcomp checkpoint: the state of {key} cannot be read ({type(err).__name__}: {err}); "
+                             "the file is truncated or not a gcomp hook state") from err
+        check_state(f"gcomp checkpoint ({key})", part, {"stats": dict, "memory": dict, "compressor": dict})
+        if isinstance(method, Method):
+            own = {"memory": part["memory"], "compressor": part["compressor"]}
+        elif part["memory"]:
+            raise ValueError(f"gcomp checkpoint ({key}): a {method.name} state of format {PARTS_FORMAT} holds a "
+                             f"memory state, which {method.name} never kept")
+        else:
+            own = part["compressor"]
+        ranks[key] = pack({"stats": part["stats"], "method": own})
+    return {**state, "format": STATE_FORMAT, "ranks": ranks}
+
+
+def check_header(state: Any, method: MethodUnit) -> None:
     """The parts of a checkpoint every rank shares: format, method and parameters, world size, step."""
     if not isinstance(state, dict):
         raise ValueError(f"not a gcomp hook state: expected a dict, got {type(state).__name__} (an empty or "
@@ -83,15 +118,15 @@ def from_legacy(state: dict, rank: int, world_size: int) -> dict:
                   "own state; if one rank saved it for all, each rank now holds that rank's residuals",
                   RuntimeWarning, stacklevel=3)
     part = {k: state[k] for k in ("stats", "memory", "compressor")}
-    return {"format": STATE_FORMAT, "method": state["method"], "params": state["params"],
+    return {"format": PARTS_FORMAT, "method": state["method"], "params": state["params"],
             "world_size": world_size, "iteration": state["iteration"], "ranks": {rank_key(rank): pack(part)}}
 
 
-def own_part(state: dict, method: Method, rank: int, world_size: int) -> dict:
-    """This rank's ``{"stats", "memory", "compressor"}`` from a checked checkpoint: its own, any rank's when the
+def own_part(state: dict, method: MethodUnit, rank: int, world_size: int) -> dict:
+    """This rank's ``{"stats", "method"}`` from a checked checkpoint: its own, any rank's when the
     method's state is the same on every rank, or merged from every old rank's after a change of world size."""
     saved_world, ranks = state["world_size"], state["ranks"]
-    replicated = method.memory.replicated and method.compressor.replicated
+    replicated = method.replicated
     mine = ranks.get(rank_key(rank))
     if saved_world == world_size and mine is not None:
         return unpack(rank_key(rank), mine)
@@ -109,37 +144,32 @@ def own_part(state: dict, method: Method, rank: int, world_size: int) -> dict:
     every = [unpack(rank_key(r), ranks[rank_key(r)]) for r in range(saved_world)]
     assigned = [every[r] for r in range(saved_world) if r % world_size == rank]
     try:
-        memory = method.memory.merge_states([p["memory"] for p in assigned], [p["memory"] for p in every], rank)
-        compressor = method.compressor.merge_states([p["compressor"] for p in assigned],
-                                                    [p["compressor"] for p in every], rank)
+        merged = method.merge_states([p["method"] for p in assigned], [p["method"] for p in every], rank)
     except ValueError as err:
         raise ValueError(f"{method.name} cannot resume a {saved_world}-rank checkpoint on {world_size} ranks: "
                          f"{err}") from err
-    return {"stats": assigned[0]["stats"] if assigned else {}, "memory": memory, "compressor": compressor}
+    return {"stats": assigned[0]["stats"] if assigned else {}, "method": merged}
 
 
-def check_parameter_tensors(method: Method, part: dict, numels: dict[str, int]) -> None:
+def check_parameter_tensors(method: MethodUnit, part: dict, numels: dict[str, int]) -> None:
     """The per-parameter tensors of a rank's part: parameters the model has, of their size, finite."""
-    for owner, key in ((method.memory, "memory"), (method.compressor, "compressor")):
-        try:
-            slots = owner.parameter_state(part[key])
-        except KeyError as err:
-            raise ValueError(f"gcomp checkpoint: the {key} state of {method.name} ({type(owner).__name__}) has no "
-                             f"{err.args[0]!r}") from err
-        except (TypeError, AttributeError) as err:
-            raise ValueError(f"gcomp checkpoint: the {key} state of {method.name} ({type(owner).__name__}) is "
-                             f"malformed ({err!r})") from err
-        for slot, tensors in slots.items():
-            for name, tensor in tensors.items():
-                where = f"gcomp checkpoint: {key} {slot!r} of parameter {name!r}"
-                if name not in numels:
-                    raise ValueError(f"{where}: the model has no such parameter (it has {len(numels)}, e.g. "
-                                     f"{', '.join(list(numels)[:3])})")
-                if not isinstance(tensor, torch.Tensor) or tensor.numel() != numels[name]:
-                    size = tensor.numel() if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                    raise ValueError(f"{where}: {size} entries, the parameter has {numels[name]}")
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    raise ValueError(f"{where}: holds non-finite values")
+    try:
+        slots = method.parameter_state(part["method"])
+    except KeyError as err:
+        raise ValueError(f"gcomp checkpoint: the state of {method.name} has no {err.args[0]!r}") from err
+    except (TypeError, AttributeError) as err:
+        raise ValueError(f"gcomp checkpoint: the state of {method.name} is malformed ({err!r})") from err
+    for slot, tensors in slots.items():
+        for name, tensor in tensors.items():
+            where = f"gcomp checkpoint: {slot!r} of parameter {name!r}"
+            if name not in numels:
+                raise ValueError(f"{where}: the model has no such parameter (it has {len(numels)}, e.g. "
+                                 f"{', '.join(list(numels)[:3])})")
+            if not isinstance(tensor, torch.Tensor) or tensor.numel() != numels[name]:
+                size = tensor.numel() if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"{where}: {size} entries, the parameter has {numels[name]}")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{where}: holds non-finite values")
 
 
 def check_stats(stats: dict) -> None:

@@ -1,12 +1,16 @@
-"""The three small abstract types every method is built from, the payload they pass, and every call between them.
+"""The three small abstract types a method is built from, the payload they pass, and every call between them.
 
-One bucket flows through ``Method.reduce``, the one pipeline (the hook's, and ``hierarchical``'s for its inner
-method between node leaders)::
+A method is a ``gcomp.method.MethodUnit``: what the DDP hook, FSDP2's and HSDP's states and ``auto`` talk to.
+``gcomp.method.Method``, the triple of parts defined here, is the unit almost every method is; one bucket
+flows through ``Method.reduce``, the one pipeline (DDP's hook, HSDP's replicas, a composite's inner method)::
 
     flat grads -> Memory.compensate -> Compressor.compress -> Payload -> Memory.update
                -> Communicator.exchange (collectives, chained futures)
                -> Communicator.decode (by the collective kind: Compressor.decompress or .aggregate)
                -> mean gradient returned to DDP
+
+and under FSDP2 through ``Method.reduce_scatter``: the same memory and compressor, the payload laid out in one
+row per destination shard by the method's row strategy (``gcomp.sharding``).
 
 The hook divides the bucket by the world size before (as PyTorch's own hooks do), so every sum over ranks
 that follows is already the mean.
@@ -20,16 +24,16 @@ argument; a compressor gets the same dict once, in ``bind``, for its own ``stat_
 """
 from __future__ import annotations
 
-import time
+import warnings
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
-from gcomp.device_future import then_on
+from gcomp.state_checks import check_state, check_state_keys, sum_by_name, tensor_dict  # noqa: F401 (their home)
 
 # The collective kinds: how payloads of several ranks are combined (a compressor's and its communicator's
 # ``collective`` must match).
@@ -49,11 +53,15 @@ class Payload:
     ``tensors`` go on the wire (their bytes are counted in ``bytes_sent``); ``ctx`` stays local and is
     whatever the compressor needs to decode (shape, dtype, selected indices, ...). ``ops`` is, for all-reduce
     payloads, the reduce op of each tensor (``SUM`` for every tensor when empty; ``MAX`` for flags and scales).
+
+    Under FSDP2 (``gcomp.sharding``) a payload's tensors are rows: ``(world, m)``, row r for destination shard r,
+    reduce-scattered (SUM); ``whole`` lists the indices of tensors all-reduced whole instead (flags, scales).
     """
 
     tensors: list[torch.Tensor]
     ctx: Any = None
     ops: tuple = ()
+    whole: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -64,63 +72,24 @@ class Payload:
         return self.ops[i] if self.ops else SUM
 
 
-def check_state_keys(owner: object, state: dict, allowed: Sequence[str]) -> None:
-    """Raise a clear error when a checkpoint holds keys ``owner`` does not know."""
-    unknown = set(state) - set(allowed)
-    if unknown:
-        raise ValueError(f"{owner if isinstance(owner, str) else type(owner).__name__}: unexpected keys "
-                         f"{sorted(unknown)}")
-
-
-def check_state(owner: object, state: Any, required: dict[str, Any], optional: dict[str, Any] | None = None
-                ) -> None:
-    """A checkpoint's dict for ``owner``: every key of ``required`` present, no key outside ``required`` and
-    ``optional``, each value of the type its key maps to (a type or a tuple of types). Raises ValueError naming
-    the key: a bad state fails at ``load_state_dict``, never at the first backward."""
-    name = owner if isinstance(owner, str) else type(owner).__name__
-    if not isinstance(state, dict):
-        raise ValueError(f"{name}: the state must be a dict, got {type(state).__name__}")
-    known = {**required, **(optional or {})}
-    check_state_keys(name, state, known)
-    missing = [k for k in required if k not in state]
-    if missing:
-        raise ValueError(f"{name}: the state has no {', '.join(repr(k) for k in missing)}")
-    for key, value in state.items():
-        if not isinstance(value, known[key]) or isinstance(value, bool) and known[key] in (int, (int, float)):
-            expected = known[key].__name__ if isinstance(known[key], type) else " or ".join(
-                t.__name__ for t in known[key])
-            article = "an" if expected[0] in "aeiou" else "a"
-            raise ValueError(f"{name}: {key!r} must be {article} {expected}, got {type(value).__name__}")
-
-
-def tensor_dict(owner: str, key: str, value: Any) -> dict[str, torch.Tensor]:
-    """``value``, checked to be a ``{name: tensor}`` dict (per-parameter state)."""
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
-                                              for k, t in value.items()):
-        raise ValueError(f"{owner}: {key!r} must map parameter names to tensors")
-    return value
-
-
-def sum_by_name(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Per-parameter tensors of several ranks added up, name by name (error feedback kept across a resize)."""
-    total: dict[str, torch.Tensor] = {}
-    for state in states:
-        for name, t in state.items():
-            total[name] = t.clone() if name not in total else total[name] + t
-    return total
-
-
-class _Checkpointed:
-    """Default checkpointing for a part that keeps no state; stateful parts override ``state_dict`` and
-    ``load_state_dict``, and say how their state travels between ranks (below).
+class Checkpointed:
+    """The checkpoint protocol of every part and every method: by default, no state.
 
     ``state_dict`` holds tensors and plain values only (``torch.load(weights_only=True)`` reads it back), keyed
     by parameter name or layout, never by DDP's bucket index alone. ``load_state_dict`` checks what it is given
-    (``check_state``) and raises ValueError naming the key."""
+    (``check_state``) and raises ValueError naming the key. What is kept says how it travels between ranks:
 
-    # True when the state is the same on every rank (a shared random stream, a tracker every rank runs alike):
-    # a checkpoint of any one rank then loads on every rank. A part that keeps no state counts as replicated.
-    replicated_state: ClassVar[bool] = False
+    - ``replicated``: the state is the same on every rank (a shared random stream, a tracker every rank runs
+      alike), so a checkpoint of any one rank loads on every rank; true for what keeps no state. A part whose
+      state is shared sets ``replicated = True``;
+    - ``merge_states``: the state of a rank of a resized world, from the old ranks' states.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "replicated_state" in cls.__dict__:  # its name until 0.1: kept working for one release
+            warnings.warn(f"{cls.__name__}: 'replicated_state' is now 'replicated'", DeprecationWarning, stacklevel=2)
+            cls.replicated = cls.__dict__["replicated_state"]
 
     def state_dict(self) -> dict:
         return {}
@@ -131,31 +100,32 @@ class _Checkpointed:
 
     @property
     def keeps_state(self) -> bool:
-        return type(self).state_dict is not _Checkpointed.state_dict
+        """Whether it checkpoints anything (it overrides ``state_dict``)."""
+        return type(self).state_dict is not Checkpointed.state_dict
 
     @property
     def replicated(self) -> bool:
-        """Whether any rank's state is every rank's (``replicated_state``, or no state at all)."""
-        return self.replicated_state or not self.keeps_state
+        """Whether any rank's state is every rank's (see the class docstring)."""
+        return not self.keeps_state
 
     def parameter_state(self, state: dict) -> dict[str, dict[str, torch.Tensor]]:
         """The tensors of a checkpointed ``state`` that each belong to one parameter and have its number of
-        entries, as ``{slot: {parameter name: tensor}}`` (residuals, momenta): the hook checks, before loading,
-        that their parameters exist, that their sizes match and that they are finite."""
+        entries, as ``{slot: {parameter name: tensor}}`` (residuals, momenta): the run state checks, before
+        loading, that their parameters exist, that their sizes match and that they are finite."""
         return {}
 
     def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
-        """This part's state for ``rank`` of a resized world, from the states of the old ranks ``assigned`` to it
+        """This state for ``rank`` of a resized world, from the states of the old ranks ``assigned`` to it
         (old rank j goes to new rank j mod new world size; none when the world grew past j) and of ``every`` old
         rank. Error feedback must keep its total: residuals are summed. Raise ValueError where a resize has no
-        meaning for the method. Stateless parts have nothing to merge."""
+        meaning for the method. What keeps no state has nothing to merge."""
         if self.keeps_state:
             raise ValueError(f"{type(self).__name__}: its state cannot move to another number of ranks; resume "
                              "with the world size it was saved with, or start this method's state afresh")
         return {}
 
 
-class Compressor(_Checkpointed, ABC):
+class Compressor(Checkpointed, ABC):
     """A pure local codec: it never calls a collective itself.
 
     Contract:
@@ -254,7 +224,7 @@ class Compressor(_Checkpointed, ABC):
         return total
 
 
-class Memory(_Checkpointed, ABC):
+class Memory(Checkpointed, ABC):
     """Error feedback: what a lossy compressor did not send is added to the next gradient.
 
     Contract (conservation, exact): after ``v = compensate(g, b)``, ``p = compressor.compress(v, b)`` and
@@ -311,80 +281,10 @@ class Communicator(ABC):
         return received[0]
 
 
-@dataclass
-class Method:
-    """A configured compression method: the three parts plus the name and parameters it was created with."""
-
-    compressor: Compressor
-    memory: Memory
-    communicator: Communicator
-    name: str = "custom"
-    params: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.compressor.collective != self.communicator.collective:
-            raise ValueError(
-                f"{self.name}: {type(self.compressor).__name__} needs the '{self.compressor.collective}' collective "
-                f"but {type(self.communicator).__name__} runs '{self.communicator.collective}'")
-
-    @property
-    def stateful(self) -> bool:
-        """True when the method keeps per-bucket state across steps (and so waits for DDP's final buckets)."""
-        return self.memory.stateful or self.compressor.stateful
-
-    @property
-    def collective(self) -> str:
-        """How ranks' payloads are combined (one of ``COLLECTIVES``): the communicator's."""
-        return self.communicator.collective
-
-    @property
-    def lossless(self) -> bool:
-        return self.compressor.lossless
-
-    @property
-    def decodes_alone(self) -> bool:
-        return self.compressor.decodes_alone
-
-    @property
-    def depends_on_layout(self) -> bool:
-        return self.compressor.depends_on_layout
-
-    @property
-    def reads_model(self) -> bool:
-        return self.compressor.reads_model
-
-    @property
-    def error_feedback(self) -> bool:
-        """True when the method's ``Memory`` keeps what was not sent (a residual per bucket)."""
-        return self.memory.stateful
-
-    def reduce(self, buffer: torch.Tensor, bucket: BucketInfo, group: dist.ProcessGroup | None, stats: dict
-               ) -> torch.futures.Future:
-        """Reduce one flat bucket over ``group`` (already divided by the world size): compensate, compress,
-        update the memory, exchange, decode. Returns a future of the mean gradient.
-
-        Adds to ``stats``: ``encode_s`` (compensate, compress and memory update, host seconds), ``bytes_sent``
-        (the payload's bytes; the communicator adds what else it sends), ``decode_s``, and the communicator's
-        own ``stat_keys``. ``stats`` must hold those keys (``HookState.stats`` does).
-        """
-        start = time.perf_counter()
-        compensated = self.memory.compensate(buffer, bucket)
-        payload = self.compressor.compress(compensated, bucket)
-        self.memory.update(compensated, bucket, self.compressor, payload)
-        stats["encode_s"] += time.perf_counter() - start
-        stats["bytes_sent"] += payload.nbytes
-        communicator, compressor = self.communicator, self.compressor
-
-        def decode(fut: torch.futures.Future) -> torch.Tensor:
-            begin = time.perf_counter()
-            out = communicator.decode(fut.value(), compressor, payload.ctx)
-            stats["decode_s"] += time.perf_counter() - begin
-            return out
-
-        return then_on(communicator.exchange(payload, compressor, group, stats), decode, buffer.device)
-
-    @property
-    def stat_keys(self) -> tuple[str, ...]:
-        """The counters the method adds to the hook's statistics: its compressor's, then its communicator's."""
-        keys = tuple(self.compressor.stat_keys)
-        return keys + tuple(k for k in self.communicator.stat_keys if k not in keys)
+def __getattr__(name: str):
+    if name == "Method":  # its home is gcomp.method since 0.2; ``gcomp.Method`` is the way to name it
+        warnings.warn("gcomp.core.Method moved to gcomp.method.Method (or gcomp.Method)", DeprecationWarning,
+                      stacklevel=2)
+        from gcomp.method import Method
+        return Method
+    raise AttributeError(f"module 'gcomp.core' has no attribute {name!r}")

@@ -4,7 +4,6 @@ No ``from __future__ import annotations`` here: DDP compares the hook's return a
 ``torch.futures.Future[torch.Tensor]`` itself, and a string would not match.
 """
 import warnings
-from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -14,20 +13,20 @@ from gcomp import checkpoint
 from gcomp.bucket import BucketInfo
 from gcomp.collectives import futures
 from gcomp.collectives.allreduce import all_reduce_all
-from gcomp.collectives.counting import COUNTER_KEYS
-from gcomp.core import Method, Payload
+from gcomp.core import Payload
 from gcomp.device_future import then_on
+from gcomp.method import MethodUnit
+from gcomp.run_state import RunState
 
 STATE_FORMAT = checkpoint.STATE_FORMAT
-_STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "encode_s", "decode_s",
-              "warmup_steps", "dense_buckets", "layouts", *COUNTER_KEYS)
 
 
-class HookState:
+class HookState(RunState):
     """Everything the hook keeps between calls: the method, per-bucket layouts, statistics.
 
-    Made by ``gcomp.comm_hook`` (with no model needed) or ``gcomp.install``. It binds itself to what it
-    reduces in two parts:
+    Made by ``gcomp.comm_hook`` (with no model needed) or ``gcomp.install``; a ``gcomp.run_state.RunState``
+    (statistics, steps, checkpoints: those of every gcomp state). It binds itself to what it reduces in two
+    parts:
 
     - **the model** (``bind(model)``, done by ``install``, or by passing ``model=``): parameters are known by
       their names in ``model.named_parameters()``, so checkpoints are keyed by name, pruning masks are found
@@ -63,27 +62,21 @@ class HookState:
     counts its mask tracker's switches, ``threshold`` its padding, ``hierarchical`` its inter-node bytes).
     """
 
-    def __init__(self, method: Method, model: torch.nn.Module | None = None,
+    def __init__(self, method: MethodUnit, model: torch.nn.Module | None = None,
                  process_group: dist.ProcessGroup | None = None):
-        self.method = method
-        self.group = process_group
+        super().__init__(method, process_group)
         self.model: torch.nn.Module | None = None  # the module whose parameter names key the state
         self._names: dict[int, str] = {}
-        self._numels: dict[str, int] = {}
         self._layouts: dict[tuple, BucketInfo] = {}
         self._ready = False  # bound to the process group
         self._stepped = False  # a whole step went through this state in this process
         self._unchecked: dict | None = None  # a loaded part whose parameters are checked once all are known
-        self.world_size = self.rank = None
-        self.iteration = 0  # steps taken, a resumed checkpoint's included
         self.warmup = 1 if method.stateful else 0  # DDP's default: buckets rebuilt after the first step
-        self._stat_keys = _STAT_KEYS + method.stat_keys
-        self.stats: dict[str, Union[int, float]] = {k: 0.0 if k.endswith("_s") else 0 for k in self._stat_keys}
         self._settle_task = -1  # the backward pass (autograd graph task) whose end settles the collectives
         if model is not None:
             self.bind(model)
             if dist.is_initialized():
-                self._ensure_ready()  # so the codec's warnings (no masks, one node...) come at install
+                self._ensure_ready()  # so the method's warnings (no masks, one node...) come at install
 
     def bind(self, model: torch.nn.Module) -> "HookState":
         """Know the parameters by their names in ``model`` (a DDP model, or the module it wraps, or any module
@@ -97,7 +90,7 @@ class HookState:
         if isinstance(model, DistributedDataParallel):
             if self.method.stateful:
                 self.warmup = self._warmup_steps(model)
-            self.method.compressor.watch(model)
+            self.method.watch(model)
             model = model.module
         self.model = model
         self._names = {id(p): n for n, p in model.named_parameters()}
@@ -105,33 +98,18 @@ class HookState:
         return self
 
     def _ensure_ready(self) -> None:
-        """Bind to the process group (it exists by the first bucket) and let the codec bind."""
+        """Join the process group (it exists by the first bucket): the method binds and agrees there."""
         if self._ready:
             return
         if not dist.is_initialized():
             raise RuntimeError("gcomp: the hook state needs torch.distributed's process group, which is not "
                                "initialized yet (init_process_group first)")
-        self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        if self.model is None and self.method.compressor.reads_model:
+        if self.model is None and self.method.reads_model:
             warnings.warn(f"{self.method.name}: the hook state knows no model, so the method cannot see its "
                           "pruning masks and sends every bucket dense; pass model= to gcomp.comm_hook, or call "
                           "state.bind(model) before the first step", UserWarning, stacklevel=4)
-        self.method.compressor.bind(self.model, self.group, self.stats)
-        self._agree_at_install()
+        self.join(self.model)
         self._ready = True
-
-    def _agree_at_install(self) -> None:
-        """The codec's one collective at bind time (``Compressor.install_flags``: pactrain's digest of the pruning
-        masks, so that its buckets pack from the first step on DDP's final layout), run here: a codec never
-        calls one."""
-        compressor = self.method.compressor
-        flags = compressor.install_flags()
-        if flags is None:
-            return
-        if dist.get_backend(self.group) == "nccl":  # NCCL reduces CUDA tensors only
-            flags = flags.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.group)
-        compressor.receive_install_flags(flags.cpu())
 
     def _name_by_place(self, bucket) -> None:
         """Without a model, a parameter is named by where it is first seen: bucket and position."""
@@ -150,11 +128,6 @@ class HookState:
         if getattr(ddp, "find_unused_parameters", False):
             return 0  # buckets are built by size from the start and never rebuilt
         return 2 if getattr(ddp, "static_graph", False) else 1
-
-    @property
-    def compression_ratio(self) -> float:
-        """``bytes_dense / bytes_sent`` so far (1.0 before the first step)."""
-        return self.stats["bytes_dense"] / self.stats["bytes_sent"] if self.stats["bytes_sent"] else 1.0
 
     @property
     def inter_node_ratio(self) -> float | None:
@@ -203,8 +176,7 @@ class HookState:
                 part, self._unchecked = self._unchecked, None
                 checkpoint.check_parameter_tensors(self.method, part, self._numels)
             self._stepped = True
-            self.iteration += 1
-            stats["steps"] += 1
+            self.count_step()
             stats["warmup_steps"] += int(warming_up)
         if warming_up:
             stats["dense_buckets"] += 1
@@ -213,58 +185,15 @@ class HookState:
 
         return self.method.reduce(buffer, info, self.group, stats)
 
-    def state_dict(self) -> dict:
-        """This rank's state, filed under its rank (``gcomp.checkpoint``): tensors, bytes and plain values only,
-        so ``torch.load(path, weights_only=True)`` reads it back. ``gather_state_dict`` holds every rank's."""
-        self._ensure_ready()
-        part = {"stats": dict(self.stats), "memory": self.method.memory.state_dict(),
-                "compressor": self.method.compressor.state_dict()}
-        return {"format": checkpoint.STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
-                "world_size": self.world_size, "iteration": self.iteration,
-                "ranks": {checkpoint.rank_key(self.rank): checkpoint.pack(part)}}
-
-    def gather_state_dict(self, dst: int | None = None) -> dict | None:
-        """Every rank's state in one object (a collective: call it on every rank). With ``dst`` set, only that
-        rank (of the hook's group) receives it and the others get None; by default every rank does. Save it on
-        one rank; ``load_state_dict`` of it on every rank hands each rank its own part."""
-        state = self.state_dict()
-        blob = state["ranks"][checkpoint.rank_key(self.rank)]
-        if dst is None:
-            parts = [None] * self.world_size
-            dist.all_gather_object(parts, blob, group=self.group)
-        else:
-            parts = [None] * self.world_size if self.rank == dst else None
-            dist.gather_object(blob, parts, dst=dist.get_global_rank(self.group, dst) if self.group else dst,
-                               group=self.group)
-            if self.rank != dst:
-                return None
-        state["ranks"] = {checkpoint.rank_key(r): b for r, b in enumerate(parts)}
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()`` or ``gather_state_dict()``: this rank's own part, checked before anything
-        is loaded (a bad state is a ValueError naming the key). Another rank's part is refused unless the
-        method's state is the same on every rank; a checkpoint of another world size needs every rank's part,
-        and a method that can move its state (residuals are summed, so their total is kept).
-
-        A state without a model, loaded before its first step, knows its parameters' names only at the end of
-        that step: the per-parameter tensors are checked then."""
-        self._ensure_ready()
-        if isinstance(state, dict) and state.get("format") == checkpoint.LEGACY_FORMAT:
-            state = checkpoint.from_legacy(state, self.rank, self.world_size)
-        checkpoint.check_header(state, self.method)
-        part = checkpoint.own_part(state, self.method, self.rank, self.world_size)
-        checkpoint.check_stats(part["stats"])
+    def _check_parameters(self, part: dict) -> None:
+        """A state without a model, loaded before its first step, knows its parameters' names only at the end of
+        that step: the per-parameter tensors are checked then. (A resumed run counts on from the checkpoint's
+        step, so it does not warm up again: residuals are stored per parameter and map onto the new DDP's
+        buckets, whatever their layout.)"""
         if self.model is None and not self._stepped:
             self._unchecked = part
         else:
             checkpoint.check_parameter_tensors(self.method, part, self._numels)
-        self.method.memory.load_state_dict(part["memory"])
-        self.method.compressor.load_state_dict(part["compressor"])
-        # Counting on from the checkpoint's step means a resumed run does not warm up again: residuals are
-        # stored per parameter and map onto the new DDP's buckets, whatever their layout.
-        self.iteration = state["iteration"]
-        self.stats.update({k: part["stats"].get(k, 0) for k in self._stat_keys})  # in place: parts hold it
 
 
 def gcomp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -1,5 +1,5 @@
-"""Selection by name: ``register``, ``create``, ``available``, ``describe``, ``parse_spec`` and the ``gcomp.methods``
-entry points."""
+"""Selection by name: ``register``, ``create``, ``available``, ``describe``, ``parse_spec``, ``method_from`` and the
+``gcomp.methods`` entry points."""
 from __future__ import annotations
 
 import difflib
@@ -7,10 +7,13 @@ import inspect
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Union
 
-from gcomp.core import Method
+from gcomp.method import Method, MethodUnit
 from gcomp.params import ParamSpec, specs_from_signature
+
+if TYPE_CHECKING:
+    from gcomp.sharding import RowStrategy
 
 ENTRY_POINT_GROUP = "gcomp.methods"
 
@@ -21,15 +24,17 @@ class UnknownMethodError(ValueError):
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered method: its factory, parameters and where it comes from."""
+    """A registered method: its factory, parameters and where it comes from; ``fsdp``, the row strategy by which
+    it serves FSDP2's reduce-scatter (``gcomp.sharding``), None when it serves DDP only."""
 
     name: str
-    factory: Callable[..., Method]
+    factory: Callable[..., MethodUnit]
     params: dict[str, ParamSpec]
     summary: str
     paper: str
+    fsdp: type[RowStrategy] | None = None
 
-    def create(self, **params) -> Method:
+    def create(self, **params) -> MethodUnit:
         unknown = set(params) - set(self.params)
         if unknown:
             raise ValueError(f"{self.name}: unknown parameter(s) {', '.join(sorted(unknown))}; "
@@ -38,6 +43,8 @@ class MethodSpec:
         values.update({n: self.params[n].validate(self.name, v) for n, v in params.items()})
         method = self.factory(**values)
         method.name, method.params = self.name, values
+        if self.fsdp is not None:
+            method.row_strategy = self.fsdp()
         return method
 
 
@@ -45,16 +52,18 @@ _REGISTRY: dict[str, MethodSpec] = {}
 _entry_points_loaded = False
 
 
-def register(name: str, *, paper: str = "", override: bool = False) -> Callable:
-    """Decorator: register a factory ``(**params) -> Method`` under ``name``.
+def register(name: str, *, paper: str = "", override: bool = False, fsdp: type[RowStrategy] | None = None
+             ) -> Callable:
+    """Decorator: register a factory ``(**params) -> Method`` (any ``gcomp.method.MethodUnit``) under ``name``.
 
     Every parameter needs a default; annotate it as ``Annotated[float, Range(0, 1), "help"]`` to have it
-    validated when the method is created.
+    validated when the method is created. ``fsdp``: the ``gcomp.sharding.RowStrategy`` class by which the method
+    (a ``gcomp.Method``) serves FSDP2's reduce-scatter; without it the method serves DDP only.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"a method name must be a non-empty string; got {name!r}")
 
-    def decorator(factory: Callable[..., Method]) -> Callable[..., Method]:
+    def decorator(factory: Callable[..., MethodUnit]) -> Callable[..., MethodUnit]:
         if name in _REGISTRY and not override and _REGISTRY[name].factory is not factory:
             raise ValueError(f"a method named '{name}' is already registered (pass override=True to replace it)")
         doc = inspect.getdoc(factory) or ""
@@ -65,7 +74,7 @@ def register(name: str, *, paper: str = "", override: bool = False) -> Callable:
             except ValueError as err:
                 raise ValueError(f"the default of a registered method is invalid: {err}") from None
         _REGISTRY[name] = MethodSpec(name, factory, params,
-                                     doc.split("\n\n")[0].replace("\n", " "), paper)
+                                     doc.split("\n\n")[0].replace("\n", " "), paper, fsdp)
         return factory
 
     return decorator
@@ -101,21 +110,34 @@ def _spec(name: str) -> MethodSpec:
     return _REGISTRY[name]
 
 
-def available() -> list[str]:
-    """Sorted names of every registered method."""
+def available(fsdp: bool = False) -> list[str]:
+    """Sorted names of every registered method; with ``fsdp=True``, of those that serve FSDP2's reduce-scatter
+    (registered with a row strategy)."""
     load_entry_points()
-    return sorted(_REGISTRY)
+    return sorted(name for name, s in _REGISTRY.items() if not fsdp or s.fsdp is not None)
 
 
-def create(name: str, **params) -> Method:
+def create(name: str, **params) -> MethodUnit:
     """A configured ``Method``; parameters are validated here, before any training starts."""
     return _spec(name).create(**params)
 
 
-def from_spec(text: str) -> Method:
+def from_spec(text: str) -> MethodUnit:
     """``create`` of a method spec (``"topk:ratio=0.05"``, as ``parse_spec`` reads it)."""
     name, params = parse_spec(text)
     return create(name, **params)
+
+
+def method_from(name_or_method: Union[str, MethodUnit], params: dict) -> MethodUnit:
+    """A registered name (``params`` go to ``create``, validated there) or a method built by hand."""
+    if isinstance(name_or_method, str):
+        return create(name_or_method, **params)
+    if isinstance(name_or_method, MethodUnit):
+        if params:
+            raise ValueError(f"parameters {sorted(params)} were given with an already created method; "
+                             "pass them to gcomp.create instead")
+        return name_or_method
+    raise TypeError(f"name_or_method must be a method name or a gcomp.Method; got {type(name_or_method).__name__}")
 
 
 def parse_spec(text: str) -> tuple[str, dict]:
@@ -173,16 +195,19 @@ def describe(name: str) -> str:
     """A human-readable description: summary, collective, wire format, parameters with defaults and ranges."""
     s = _spec(name)
     method = s.create()
-    comp = method.compressor
+    parts = (f" ({type(method.compressor).__name__} + {type(method.memory).__name__} + "
+             f"{type(method.communicator).__name__})" if isinstance(method, Method) else f" ({type(method).__name__})")
     lines = [f"{name}: {s.summary}",
-             f"  collective: {method.communicator.collective}"
-             f" ({type(comp).__name__} + {type(method.memory).__name__} + {type(method.communicator).__name__})",
-             f"  lossless: {'yes' if comp.lossless else 'no'}; state across steps: {'yes' if method.stateful else 'no'}"]
+             f"  collective: {method.collective or 'that of the method chosen per bucket'}{parts}",
+             f"  lossless: {'yes' if method.lossless else 'no'}; state across steps: "
+             f"{'yes' if method.stateful else 'no'}",
+             "  FSDP2: " + (f"serves fully_shard's reduce-scatter ({s.fsdp.__name__})" if s.fsdp is not None else
+                           "no (DDP only)")]
     if s.paper:
         lines.append(f"  paper: {s.paper}")
     lines.append("  parameters:" if s.params else "  parameters: none")
     lines += [f"    {p.describe()}" for p in s.params.values()]
-    doc = inspect.getdoc(type(comp)) or ""
+    doc = inspect.getdoc(type(method.compressor) if isinstance(method, Method) else type(method)) or ""
     if doc:
         lines.append("  on the wire: " + doc.split("\n\n")[0].replace("\n", " "))
     return "\n".join(lines)
@@ -205,7 +230,7 @@ class Nested:
 
     def convert(self, method: str, param: str, value: Any) -> str:
         """``value``'s canonical spec, or ``ValueError`` naming ``method`` and ``param``."""
-        if isinstance(value, Method):
+        if isinstance(value, MethodUnit):
             if value.name not in available():
                 raise ValueError(f"{method}: parameter '{param}' takes a Method made by gcomp.create, which records "
                                  f"its name and parameters; got one named {value.name!r}")

@@ -5,8 +5,7 @@ import torch
 import torch.distributed as dist
 
 from gcomp.auto.choice import link_network
-from gcomp.bench.collective_costs import Network
-from gcomp.bench.throughput import link_from_timings, timed_allreduce_s
+from gcomp.link import Network, link_from_timings, timed_allreduce_s
 
 PROBE_SMALL_BYTES = 1024
 # the large probe: the largest bucket, within these bounds (at 100 Mbit/s on 4 ranks 512 KiB takes about 63 ms, so
@@ -42,7 +41,7 @@ def launch_max(values: list[float], group, device: torch.device) -> Pending:
 
 def probe_network(group, device: torch.device, bucket_bytes: int = 0) -> Network:
     """The link as ``auto`` prices it: timed all-reduces of 1 KiB and of the largest bucket's bytes (within
-    ``PROBE_LARGE_BYTES``), α and β derived as ``gcomp.bench.throughput.link_from_timings`` does, the slowest
+    ``PROBE_LARGE_BYTES``), α and β derived as ``gcomp.link.link_from_timings`` does, the slowest
     rank's agreed by all."""
     low, high = PROBE_LARGE_BYTES
     large = min(max(int(bucket_bytes), low), high)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from gcomp.core import ALLGATHER, ALLREDUCE, Compressor
+from gcomp.method import Method
 from gcomp.registry import create, parse_spec
 
 EXACT = ("identity",)  # pactrain joins them on a pruned model: its packed sum is the dense one's, losslessly
@@ -40,11 +41,11 @@ def allowed_methods(allow: str | Sequence[str], pruned: bool) -> list[str]:
             method = create(name, **params)
         except ValueError as err:
             raise ValueError(f"auto: allow entry {text!r}: {err}") from None
-        if method.communicator.collective not in PRICED:
-            raise ValueError(f"auto: allow entry {text!r} runs the {method.communicator.collective!r} collective, "
+        if method.collective not in PRICED:
+            raise ValueError(f"auto: allow entry {text!r} runs the {method.collective!r} collective, "
                              f"which auto cannot price yet; it chooses among {' and '.join(PRICED)} methods")
-        codec = method.compressor
-        if codec.holds_gradient and type(codec).flush is Compressor.flush:
+        codec = method.compressor if isinstance(method, Method) else None
+        if codec is not None and codec.holds_gradient and type(codec).flush is Compressor.flush:
             raise ValueError(f"auto: allow entry {text!r} keeps gradient it did not send inside its codec and cannot "
                              "hand it to another method at a switch; leave its error feedback off")
     return specs

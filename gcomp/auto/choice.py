@@ -1,5 +1,5 @@
 """Which allowed method is fastest for one bucket: each one's measured codec time plus its collectives priced
-on the measured link (the alpha-beta formulas of ``gcomp.bench.collective_costs``), with a margin against
+on the measured link (the alpha-beta formulas of ``gcomp.link``), with a margin against
 flapping between two close ones."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from gcomp.bench.collective_costs import Launched, Network, launched_s
+from gcomp.link import Launched, Network, launched_s
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class BucketCost:
 
 
 def link_network(alpha_s: float, beta_s: float) -> Network:
-    """The link as measured (``gcomp.bench.throughput.link_from_timings``: seconds per message and per byte)
+    """The link as measured (``gcomp.link.link_from_timings``: seconds per message and per byte)
     as the cost formulas take it; a ``beta_s`` of 0 (a probe that saw no cost per byte) is read as 1 Tbit/s."""
     return Network(8.0 / max(beta_s, 8e-12), max(alpha_s, 0.0))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from gcomp.bench.collective_costs import Launched
+from gcomp.link import Launched
 from gcomp.bucket import BucketInfo
 
 # the counters of ``gcomp.collectives.counting`` the choice prices, in the order they travel

@@ -21,7 +21,8 @@ Counting is plain Python arithmetic on sizes already known (no host synchronisat
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 
 import torch
 
@@ -59,18 +60,17 @@ def count_p2p_round(stats: dict | None, sent: int, received: int) -> None:
         _add(stats, "p2p_bytes", max(sent, received))
 
 
-class round_work:  # noqa: N801 - used as a function: ``with round_work(stats):``
-    """Times the block as ``round_work_s``: codec work between a communicator's rounds (an exception, such as
-    a finished program's StopIteration, passes through, timed)."""
+@contextmanager
+def timed(stats: dict | None, key: str) -> Iterator[None]:
+    """Adds the block's host seconds to ``stats[key]`` (``encode_s``, ``decode_s``, ``round_work_s``): the one
+    timer of every pipeline. An exception passing through (a finished program's StopIteration) is timed too."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _add(stats, key, time.perf_counter() - start)
 
-    __slots__ = ("stats", "start")
 
-    def __init__(self, stats: dict | None):
-        self.stats = stats
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc_info) -> bool:
-        _add(self.stats, "round_work_s", time.perf_counter() - self.start)
-        return False
+def round_work(stats: dict | None):
+    """``timed`` as ``round_work_s``: codec work between a communicator's rounds."""
+    return timed(stats, "round_work_s")

@@ -4,8 +4,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from gcomp.auto.allow import PRESETS, allowed_methods
-from gcomp.auto.method import make_auto
-from gcomp.core import Method
+from gcomp.auto.method import AutoMethod
 from gcomp.params import Range
 from gcomp.registry import Nested, register
 
@@ -40,10 +39,10 @@ def auto(
                                                            "switch to it"] = 0.1,
     reprobe_above: Annotated[float, Range(0, None, low_open=True), "drift of the waits (relative) that triggers a "
                                                                     "new probe of the link"] = 2.0,
-) -> Method:
+) -> AutoMethod:
     """The method chosen per bucket from the link and the codecs it measures, and changed when the link
     changes: every allowed method runs a few steps, timed, the link is probed, and each bucket takes the one
     predicted fastest; the waits are watched and the link probed again when they drift."""
     preset = allow in PRESETS
     specs = allowed_methods(allow if preset else allow.split(SEPARATOR), pruned=True)
-    return make_auto(specs, preset, probe_every, trials, margin, reprobe_above)
+    return AutoMethod(specs, preset, probe_every, trials, margin, reprobe_above)

@@ -16,8 +16,9 @@ from gcomp.bucket_state import BucketState
 from gcomp.collectives import AllgatherCommunicator
 from gcomp.compressors.quantise import stream_seed
 from gcomp.compressors.sparse import SparseCompressor
-from gcomp.core import Method, check_state, sum_by_name
+from gcomp.core import check_state, sum_by_name
 from gcomp.memory import NoMemory
+from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
 

@@ -8,8 +8,8 @@ import torch
 from gcomp.bucket import index_dtype
 from gcomp.collectives.gtopk import gtopk_program
 from gcomp.collectives.scheduled import ProgramCommunicator, ScheduledCompressor, ScheduledCtx
-from gcomp.core import Method
 from gcomp.memory import NoMemory
+from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
 

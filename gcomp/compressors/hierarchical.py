@@ -10,40 +10,44 @@ import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
 from gcomp.collectives.futures import launched, when_done
-from gcomp.core import HIERARCHICAL, Communicator, Compressor, Method, Payload, check_state
-from gcomp.memory import NoMemory
+from gcomp.composite import Composite
+from gcomp.core import HIERARCHICAL
+from gcomp.method import MethodUnit
 from gcomp.params import Range
 from gcomp.registry import Nested, from_spec, register
 from gcomp.topology import Topology
 
+INTER_KEYS = ("inter_bytes", "inter_bytes_dense")
 
-class HierarchicalCompressor(Compressor):
-    """Holds the inner method and the topology; the bucket itself is sent whole inside the node.
 
-    On the wire, per bucket: a SUM all-reduce of the whole bucket on the intra-node group; on each node's
-    leader, the inner method's payload across the leaders' group (counted in ``bytes_sent`` and, apart, in
-    ``inter_bytes``; ``inter_bytes_dense`` counts what a dense all-reduce of the bucket would have sent there);
-    then a broadcast of the result from the leader on the intra-node group. Followers send nothing across nodes.
+class HierarchicalMethod(Composite):
+    """A method made of another: on the wire, per bucket, a SUM all-reduce of the whole bucket on the intra-node
+    group (waited for: the leader sends the node's sum); on each node's leader, the ``inner`` method's own
+    reduction across the leaders' group (its ``reduce``, waited for: its encode and decode time count in
+    ``encode_s`` and ``decode_s``, its bytes in ``bytes_sent`` and, apart, in ``inter_bytes``;
+    ``inter_bytes_dense`` counts what a dense all-reduce of the bucket would have sent there); then an
+    asynchronous broadcast of the result from the leader on the intra-node group, whose future is returned.
+    Followers send nothing across nodes.
 
-    ``inner`` (the method run between leaders), ``intra`` (this rank's node group) and ``inter`` (the leaders'
-    group, None on a follower) are what ``HierarchicalCommunicator`` reads; ``bind`` sets the groups.
-    """
+    ``intra`` (this rank's node group) and ``inter`` (the leaders' group, None on a follower) are set by
+    ``bind``; ``label`` is the method's name in messages (``prunex`` is one of these)."""
 
     collective = HIERARCHICAL
     decodes_alone = False  # the inner method sees node sums, not each rank's payload
-    label = "hierarchical"  # the method's name in messages
 
-    def __init__(self, inner: Method, ranks_per_node: int):
-        self.inner, self.ranks_per_node = inner, ranks_per_node
-        self.stateful = inner.stateful
-        self.reads_model = inner.compressor.reads_model
-        self.lossless = inner.compressor.lossless
-        self.stat_keys = tuple(k for k in inner.stat_keys if k not in HierarchicalCommunicator.stat_keys)
+    def __init__(self, inner: MethodUnit, ranks_per_node: int, label: str = "hierarchical"):
+        self.inner, self.ranks_per_node, self.label = inner, ranks_per_node, label
+        self.name, self.params = label, {}
         self.intra: dist.ProcessGroup | None = None
         self.inter: dist.ProcessGroup | None = None
 
-    def watch(self, ddp) -> None:
-        self.inner.compressor.watch(ddp)
+    @property
+    def parts(self) -> list[MethodUnit]:
+        return [self.inner]
+
+    @property
+    def stat_keys(self) -> tuple[str, ...]:
+        return tuple(k for k in self.inner.stat_keys if k not in INTER_KEYS) + INTER_KEYS
 
     def bind(self, model, group, stats) -> None:
         world = dist.get_world_size(group)
@@ -55,7 +59,21 @@ class HierarchicalCompressor(Compressor):
                           f"install the inner method ({self.inner.name}) itself", UserWarning, stacklevel=3)
         self.intra, self.inter = topology.groups(group)
         if self.inter is not None:
-            self.inner.compressor.bind(model, self.inter, stats)
+            self.inner.bind(model, self.inter, stats)
+
+    def reduce(self, buffer: torch.Tensor, bucket: BucketInfo, group, stats: dict) -> torch.futures.Future:
+        dist.all_reduce(buffer, group=self.intra)
+        if self.inter is not None:
+            before = stats["bytes_sent"]
+            buffer.copy_(self.inner.reduce(buffer, bucket, self.inter, stats).wait())
+            stats["inter_bytes"] += stats["bytes_sent"] - before
+            stats["inter_bytes_dense"] += buffer.numel() * buffer.element_size()
+        source = dist.get_global_rank(self.intra, 0)
+        work = dist.broadcast(buffer, src=source, group=self.intra, async_op=True)
+        return when_done(launched(work), buffer)
+
+    def flush(self, bucket, like):
+        return self.inner.flush(bucket, like) if self.inter is not None else None
 
     def __deepcopy__(self, memo):  # process groups are handles: a copy shares them, and copies the rest
         clone = copy.copy(self)
@@ -65,63 +83,26 @@ class HierarchicalCompressor(Compressor):
                 setattr(clone, name, copy.deepcopy(value, memo))
         return clone
 
-    def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Payload:
-        return Payload([tensor], bucket)
-
-    def decompress(self, tensors, ctx) -> torch.Tensor:
-        return tensors[0]
+    # checkpoints: the inner method's state, as it is (``Composite``)
 
     def state_dict(self) -> dict:
-        return {"memory": self.inner.memory.state_dict(), "compressor": self.inner.compressor.state_dict()}
+        return self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        check_state(self, state, {"memory": dict, "compressor": dict})
-        self.inner.memory.load_state_dict(state["memory"])
-        self.inner.compressor.load_state_dict(state["compressor"])
-
-    @property
-    def replicated(self) -> bool:
-        return self.inner.memory.replicated and self.inner.compressor.replicated
+        self.inner.load_state_dict(state)
 
     def parameter_state(self, state: dict) -> dict:
-        return {**self.inner.memory.parameter_state(state["memory"]),
-                **self.inner.compressor.parameter_state(state["compressor"])}
+        return self.inner.parameter_state(state)
 
-
-class HierarchicalCommunicator(Communicator):
-    """Intra-node SUM (waited: the leader compresses the node's sum), the inner method on the leaders through
-    ``Method.reduce``, the hook's own pipeline (waited: the broadcast sends its result; its encode and decode
-    time count in ``encode_s`` and ``decode_s``), then an asynchronous intra-node broadcast, whose future is
-    returned. Needs the hook's ``stats``.
-
-    On leaders only, ``inter_bytes`` counts what the inner method sends between nodes and ``inter_bytes_dense``
-    what a dense all-reduce of the same buckets, in their own dtype, would have sent: their quotient is the
-    inter-node compression ratio."""
-
-    collective = HIERARCHICAL
-    stat_keys = ("inter_bytes", "inter_bytes_dense")
-
-    def exchange(self, payload: Payload, compressor: HierarchicalCompressor, group: dist.ProcessGroup | None,
-                 stats: dict | None = None) -> torch.futures.Future:
-        if stats is None:
-            raise ValueError("hierarchical: the inner method's statistics need the hook's stats dict")
-        buffer, bucket = payload.tensors[0], payload.ctx
-        dist.all_reduce(buffer, group=compressor.intra)
-        if compressor.inter is not None:
-            before = stats["bytes_sent"]
-            buffer.copy_(compressor.inner.reduce(buffer, bucket, compressor.inter, stats).wait())
-            stats["inter_bytes"] += stats["bytes_sent"] - before
-            stats["inter_bytes_dense"] += buffer.numel() * buffer.element_size()
-        source = dist.get_global_rank(compressor.intra, 0)
-        work = dist.broadcast(buffer, src=source, group=compressor.intra, async_op=True)
-        return when_done(launched(work), [buffer])
+    def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
+        return self.inner.merge_states(assigned, every, rank)
 
 
 @register("hierarchical", paper="leader-follower reduction as in PruneX (Olama et al., arXiv 2512.14628)")
 def hierarchical(
     inner: Annotated[str, Nested(), "method run between the nodes' leaders (not a hierarchical one)"] = "identity",
     ranks_per_node: Annotated[int, Range(0, None), "ranks per node; 0: from torchrun or host names"] = 0,
-) -> Method:
+) -> HierarchicalMethod:
     """Dense SUM inside each node, the ``inner`` method (``"topk:ratio=0.05"``, or a ``Method`` from
     ``gcomp.create``) between node leaders only, then a broadcast inside each node: only leaders cross the
     (slow) network between nodes."""
@@ -129,6 +110,6 @@ def hierarchical(
         method = from_spec(inner)
     except ValueError as err:
         raise ValueError(f"hierarchical: parameter 'inner': {err}") from None
-    if method.communicator.collective == HIERARCHICAL:
+    if method.collective == HIERARCHICAL:
         raise ValueError(f"hierarchical: parameter 'inner' cannot be a hierarchical method itself; got {inner!r}")
-    return Method(HierarchicalCompressor(method, ranks_per_node), NoMemory(), HierarchicalCommunicator())
+    return HierarchicalMethod(method, ranks_per_node)

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from gcomp.collectives import AllreduceCommunicator
-from gcomp.core import ALLREDUCE, Compressor, Method, Payload
+from gcomp.core import ALLREDUCE, Compressor, Payload
 from gcomp.memory import NoMemory
+from gcomp.method import Method
 from gcomp.registry import register
+from gcomp.sharding import EntrywiseRows
 
 
 class IdentityCompressor(Compressor):
@@ -20,7 +22,7 @@ class IdentityCompressor(Compressor):
         return tensors[0]
 
 
-@register("identity")
+@register("identity", fsdp=EntrywiseRows)
 def identity() -> Method:
     """Plain all-reduce of the whole bucket, bit-identical to DDP without a hook: the baseline."""
     return Method(IdentityCompressor(), NoMemory(), AllreduceCommunicator())

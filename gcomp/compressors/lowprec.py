@@ -4,9 +4,11 @@ from __future__ import annotations
 import torch
 
 from gcomp.collectives import AllreduceCommunicator
-from gcomp.core import ALLREDUCE, Compressor, Method, Payload
+from gcomp.core import ALLREDUCE, Compressor, Payload
 from gcomp.memory import NoMemory
+from gcomp.method import Method
 from gcomp.registry import register
+from gcomp.sharding import EntrywiseRows
 
 
 class CastCompressor(Compressor):
@@ -45,13 +47,13 @@ class CastCompressor(Compressor):
         return ctx.copy_(tensors[0])
 
 
-@register("fp16")
+@register("fp16", fsdp=EntrywiseRows)
 def fp16() -> Method:
     """Cast to float16, all-reduce in float16, cast back: half the bytes, about 3 significant digits."""
     return Method(CastCompressor(torch.float16), NoMemory(), AllreduceCommunicator())
 
 
-@register("bf16")
+@register("bf16", fsdp=EntrywiseRows)
 def bf16() -> Method:
     """Cast to bfloat16, all-reduce in bfloat16, cast back: half the bytes, fp32's range, 2-3 digits."""
     return Method(CastCompressor(torch.bfloat16), NoMemory(), AllreduceCommunicator())

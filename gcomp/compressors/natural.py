@@ -10,8 +10,9 @@ import torch
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.compressors.bernoulli import sparse_nonzero
 from gcomp.compressors.quantise import RankGenerator, Scratch, SeededState, rank_and_world, work_dtype
-from gcomp.core import ALLGATHER, Compressor, Method, Payload
+from gcomp.core import ALLGATHER, Compressor, Payload
 from gcomp.memory import NoMemory
+from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
 

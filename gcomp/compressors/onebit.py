@@ -6,8 +6,9 @@ import torch
 from gcomp.bucket import BucketInfo
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.compressors.sign import BLOCK, ROW, Buffers, row_plan, sum_rows, work_block
-from gcomp.core import ALLGATHER, Compressor, Method, Payload
+from gcomp.core import ALLGATHER, Compressor, Payload
 from gcomp.memory import ResidualMemory
+from gcomp.method import Method
 from gcomp.registry import register
 
 

@@ -24,8 +24,9 @@ import torch
 
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
 from gcomp.compressors.quantise import stream_seed
-from gcomp.core import ALLREDUCE, Method, Payload, check_state, sum_by_name, tensor_dict
+from gcomp.core import ALLREDUCE, Payload, check_state, sum_by_name, tensor_dict
 from gcomp.memory import NoMemory
+from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
 

@@ -5,26 +5,28 @@ from __future__ import annotations
 from typing import Annotated
 
 from gcomp.collectives.chained import ChainedAllreduceCommunicator
-from gcomp.compressors.hierarchical import HierarchicalCommunicator, HierarchicalCompressor
+from gcomp.compressors.hierarchical import HierarchicalMethod
 from gcomp.compressors.pactrain import ROUNDS_HELP, PacTrainCompressor, warn_unused_ternary_options
-from gcomp.core import Method
 from gcomp.memory import NoMemory
+from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.packing.tracker import GROUPS
 from gcomp.registry import register
 
 
-class PruneXCompressor(HierarchicalCompressor):
+class PruneXMethod(HierarchicalMethod):
     """The bucket inside the node; between leaders only its kept filters and channels (SUM, no index); broadcast.
 
-    ``hierarchical`` with pactrain's mask tracker over whole filters and channels (``gcomp.packing.groups``).
-    On the wire, per bucket: a SUM all-reduce of the whole bucket inside the node; on each leader, across the
-    leaders' group, while the tracker checks the masks: the bucket and 5 int64 flags (MAX); once compacted:
-    a SUM all-reduce of the kept filters and channels in the bucket's dtype plus one entry flagging mask
-    changes (with ``ternary``: pactrain's lanes, in one round with the scale carried from the step before); then a broadcast inside the node.
+    ``hierarchical`` whose inner method is pactrain's mask-packed all-reduce over whole filters and channels
+    (``gcomp.packing.groups``). On the wire, per bucket: a SUM all-reduce of the whole bucket inside the node; on
+    each leader, across the leaders' group, while the tracker checks the masks: the bucket and 5 int64 flags
+    (MAX); once compacted: a SUM all-reduce of the kept filters and channels in the bucket's dtype plus one entry
+    flagging mask changes (with ``ternary``: pactrain's lanes, in one round with the scale carried from the step
+    before); then a broadcast inside the node.
     """
 
-    label = "prunex"
+    def __init__(self, inner: Method, ranks_per_node: int):
+        super().__init__(inner, ranks_per_node, label="prunex")
 
 
 @register("prunex", paper="Olama, Lundell, El Hajj, Lilius, Bjorkqvist 2025 (PruneX, arXiv 2512.14628)")
@@ -40,7 +42,7 @@ def prunex(
     error_feedback: Annotated[bool, "ternary: add what ternarising lost to the next step (on each leader)"] = False,
     seed: Annotated[int, Range(0, None), "seed of the ternary draws (each leader draws its own stream from it)"] = 0,
     rounds: Annotated[int, Range(1, 2), ROUNDS_HELP] = 1,
-) -> Method:
+) -> PruneXMethod:
     """Dense SUM inside each node; between node leaders only, a dense all-reduce of the kept filters and
     channels, copied out of the bucket as blocks (no index on the wire or per entry); broadcast in each node.
 
@@ -54,4 +56,4 @@ def prunex(
                                 check_every=check_every, rounds=rounds)
     packer.tracker.label = "prunex"
     inner = Method(packer, NoMemory(), ChainedAllreduceCommunicator(), name="pactrain")
-    return Method(PruneXCompressor(inner, ranks_per_node), NoMemory(), HierarchicalCommunicator())
+    return PruneXMethod(inner, ranks_per_node)

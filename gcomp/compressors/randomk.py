@@ -1,17 +1,37 @@
 """``randomk``: k entries chosen at random, the same on every rank, so their values add up by all-reduce."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 import torch
 
+from gcomp.bucket import BucketInfo
 from gcomp.bucket_state import Scratch
 from gcomp.collectives import AllreduceCommunicator
 from gcomp.compressors.quantise import stream_seed
-from gcomp.core import ALLREDUCE, Compressor, Method, Payload, check_state
+from gcomp.core import ALLREDUCE, Compressor, Payload
 from gcomp.memory import ResidualMemory
+from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
+from gcomp.sharding import RowStrategy
+from gcomp.state_checks import check_state
+
+
+@dataclass
+class Drawn:
+    """What a randomk payload carries, kept local: the ``n`` entries compressed, the drawn ``index`` (ascending,
+    distinct, int64 on the bucket's device), the ``bucket``, whether the bucket is known finite on the host
+    (``finite``: a CPU bucket), and ``rows``: 0 for one flat payload ``[k values, flag]``, else the number of
+    FSDP2 rows ``(rows, k + 1)``, each its k values then the flag (``index`` then holds every row's positions
+    into the flat input, row after row)."""
+
+    n: int
+    index: torch.Tensor
+    bucket: BucketInfo | None
+    finite: bool
+    rows: int = 0
 
 
 class RandomKCompressor(Compressor):
@@ -41,50 +61,79 @@ class RandomKCompressor(Compressor):
 
     def compress(self, tensor, bucket):
         n = tensor.numel()
-        k = max(1, int(n * self.ratio))
-        flat = tensor.reshape(-1)
-        index = uniform_subset(n, k, self.generator).to(tensor.device, non_blocking=True)
-        wire = tensor.new_empty(k + 1)
-        torch.index_select(flat, 0, index, out=wire[:k])
-        if tensor.device.type == "cpu":  # known on the host at no cost: the memory may skip its pass
-            finite = all_finite(flat)
-            wire[k] = 0.0 if finite else float("nan")
-        else:  # no synchronisation: min and max (module ``all_finite``); the memory takes ``residual_into``
-            wire[k] = torch.where(torch.isfinite(torch.stack(torch.aminmax(flat))).all(), 0.0, float("nan"))
-            finite = False
-        return Payload([wire], ctx=(n, index, bucket, finite))
+        index = uniform_subset(n, max(1, int(n * self.ratio)), self.generator).to(tensor.device, non_blocking=True)
+        wire, finite = self._values(tensor.reshape(-1), index, 1)
+        return Payload([wire.view(-1)], ctx=Drawn(n, index, bucket, finite))
 
-    def decompress(self, tensors, ctx):
-        wire, = tensors
-        n, index, bucket, _ = ctx
-        out = self._decoded.take(bucket, n, wire.dtype, wire.device) if bucket is not None else wire.new_empty(n)
-        return out.zero_().index_copy_(0, index, self._sent(wire, index))
+    def compress_rows(self, tensor: torch.Tensor, bucket: BucketInfo, rows: int) -> Payload:
+        """For FSDP2 (``RandomKRows``): ``tensor`` (flat) as ``rows`` rows of S entries, k = max(1, int(ratio * S))
+        drawn per row (the generator advanced once per row), sent as a ``(rows, k + 1)`` matrix whose row r holds
+        row r's values and the flag."""
+        width = tensor.numel() // rows
+        k = max(1, int(width * self.ratio))
+        index = torch.stack([uniform_subset(width, k, self.generator) for _ in range(rows)])
+        index = (index + torch.arange(rows)[:, None] * width).reshape(-1).to(tensor.device, non_blocking=True)
+        wire, finite = self._values(tensor.reshape(-1), index, rows)
+        return Payload([wire], ctx=Drawn(tensor.numel(), index, bucket, finite, rows))
 
     @staticmethod
-    def _sent(wire: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """The values at ``index``: each plus the flag, 0, or NaN if any rank's bucket was not finite."""
-        k = index.numel()
-        return wire[:k] + wire[k]
+    def _values(flat: torch.Tensor, index: torch.Tensor, rows: int) -> tuple[torch.Tensor, bool]:
+        """``(rows, k + 1)``: the values at ``index``, row by row, then the flag (0, or NaN when ``flat`` holds a
+        non-finite entry), and whether ``flat`` is known finite on the host."""
+        k = index.numel() // rows
+        wire = flat.new_empty(rows, k + 1)
+        if rows == 1:  # straight into the wire
+            torch.index_select(flat, 0, index, out=wire.view(-1)[:k])
+        else:
+            wire[:, :k] = flat.index_select(0, index).view(rows, k)
+        if flat.device.type == "cpu":  # known on the host at no cost: the memory may skip its pass
+            finite = all_finite(flat)
+            wire[:, k] = 0.0 if finite else float("nan")
+        else:  # no synchronisation: min and max (module ``all_finite``); the memory takes ``residual_into``
+            wire[:, k] = torch.where(torch.isfinite(torch.stack(torch.aminmax(flat))).all(), 0.0, float("nan"))
+            finite = False
+        return wire, finite
+
+    def decompress(self, tensors, ctx: Drawn):
+        wire, = tensors
+        bucket = ctx.bucket
+        out = self._decoded.take(bucket, ctx.n, wire.dtype, wire.device) if bucket is not None else wire.new_empty(ctx.n)
+        return out.zero_().index_copy_(0, ctx.index, self._sent(wire, ctx))
+
+    def decode_row(self, row: torch.Tensor, ctx: Drawn, rank: int, out: torch.Tensor) -> torch.Tensor:
+        """This rank's reduced row (``k + 1`` entries: the sums of its k values and of the flags) onto its k
+        positions of ``out`` (the row's S entries), zero elsewhere (FSDP2)."""
+        k = row.numel() - 1
+        width = ctx.n // ctx.rows
+        own = ctx.index[rank * k:(rank + 1) * k] - rank * width
+        return out.zero_().index_copy_(0, own, row[:k] + row[k])
+
+    @staticmethod
+    def _sent(wire: torch.Tensor, ctx: Drawn) -> torch.Tensor:
+        """The values at ``ctx.index``: each plus its row's flag, 0, or NaN if any rank's bucket was not finite."""
+        rows = max(ctx.rows, 1)
+        values = wire.view(rows, -1)
+        return (values[:, :-1] + values[:, -1:]).reshape(-1)
 
     def sent_positions(self, payload):
         """The drawn positions when the bucket was finite (known on the host: on a CPU): there the decoded own
         payload is the entry plus a zero flag, the entry itself; elsewhere 0."""
-        return payload.ctx[1] if payload.ctx[3] else None
+        return payload.ctx.index if payload.ctx.finite else None
 
     def residual_into(self, out, tensor, payload):
         """The compensated bucket less the (distinct) drawn entries, without decoding a bucket."""
         wire, = payload.tensors
-        index = payload.ctx[1]
+        index = payload.ctx.index
         flat = tensor.reshape(-1)
         torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0, out=out.view(-1))
-        left = torch.nan_to_num_(flat[index] - self._sent(wire, index), nan=0.0, posinf=0.0, neginf=0.0)
+        left = torch.nan_to_num_(flat[index] - self._sent(wire, payload.ctx), nan=0.0, posinf=0.0, neginf=0.0)
         out.view(-1).index_copy_(0, index, left)
         return True
 
+    replicated = True  # one stream, the same on every rank
+
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
-
-    replicated_state = True  # one stream, the same on every rank
 
     def load_state_dict(self, state: dict) -> None:
         check_state(self, state, {"generator": torch.Tensor})
@@ -143,7 +192,23 @@ def _merge(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.index_copy_(0, at, b).masked_scatter_(rest, a)
 
 
-@register("randomk", paper="Stich, Cordonnier, Jaggi 2018 (Sparsified SGD with memory: random-k)")
+class RandomKRows(RowStrategy):
+    """Under FSDP2: for each destination shard of S entries, the values of k = max(1, int(ratio * S)) of its entries
+    plus one flag entry (0, or NaN when this rank's input is not finite), in the reduce dtype: a (world, k + 1)
+    matrix by one SUM reduce-scatter, world * (k + 1) entries per rank and call, no indices
+    (``RandomKCompressor.compress_rows``: the positions of each shard from the method's own generator, seeded
+    alike on every rank and advanced world times per call, so every rank sends the same positions of a shard).
+    Error feedback: the method's ``ResidualMemory`` on the rank's full unsharded input, per (parameter, shard)
+    piece."""
+
+    def compress(self, compressor: RandomKCompressor, tensor, layout):
+        return compressor.compress_rows(tensor, layout.pieces, layout.world)
+
+    def decode(self, compressor: RandomKCompressor, received, payload, layout, output):
+        compressor.decode_row(received[0], payload.ctx, layout.rank, output)
+
+
+@register("randomk", paper="Stich, Cordonnier, Jaggi 2018 (Sparsified SGD with memory: random-k)", fsdp=RandomKRows)
 def randomk(ratio: Annotated[float, Range(0, 1, low_open=True), "fraction of the bucket's entries sent"] = 0.01,
             seed: Annotated[int, Range(0, None), "seed of the positions, the same on every rank"] = 0) -> Method:
     """Random-k sparsification with error feedback: shared random positions, values alone by all-reduce."""

@@ -23,8 +23,9 @@ import torch
 from gcomp.bucket import BucketInfo
 from gcomp.bucket_state import BucketState, KeptInBucketState, Scratch
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.core import ALLGATHER, Compressor, Method, Payload
+from gcomp.core import ALLGATHER, Compressor, Payload
 from gcomp.memory import NoMemory, ResidualMemory
+from gcomp.method import Method
 from gcomp.params import OneOf, Range
 from gcomp.registry import register
 

@@ -7,12 +7,16 @@ from typing import Annotated
 
 import torch
 
+from gcomp.bucket import BucketInfo
+from gcomp.collectives.p2p import run_program
 from gcomp.collectives.scheduled import ProgramCommunicator, ScheduledCompressor, ScheduledCtx
-from gcomp.collectives.spardl import spardl_program
-from gcomp.core import Method, check_state
+from gcomp.collectives.spardl import spar_reduce_scatter, spardl_program
 from gcomp.memory import NoMemory
+from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
+from gcomp.sharding import RowStrategy
+from gcomp.state_checks import check_state
 
 
 @dataclass
@@ -97,6 +101,10 @@ class SparDLCompressor(ScheduledCompressor):
                 budget.union = selection.union
         return result[:ctx.compensated.numel()]
 
+    def store_residual(self, residual: torch.Tensor, bucket: BucketInfo) -> None:
+        """Keep ``residual`` (flat, laid out like ``bucket``) as what this rank did not pass on (FSDP2's rows)."""
+        self.memory.store(residual, bucket)
+
     def _budget(self, key: str, k: int, teams: int) -> _Budget:
         floor = min(max(1, k // teams), k)
         budget = self._budgets.get(key)
@@ -122,7 +130,46 @@ class SparDLCompressor(ScheduledCompressor):
         self._budgets = {key: _Budget(b["h"], b["step"], b["inertia"], b.get("union")) for key, b in budgets.items()}
 
 
-@register("spardl", paper="Zhao et al., SparDL, arXiv 2304.00737 (2023)")
+class SparDLRows(RowStrategy):
+    """Under FSDP2, SparDL's Spar-Reduce-Scatter *is* the reduce-scatter. On the wire, point-to-point only
+    (``gcomp.collectives.spardl.spar_reduce_scatter``, run by ``gcomp.collectives.p2p.run_program``): FSDP's input
+    viewed as (world, S) is SparDL's blocks, block r being rank r's shard. In ceil(log2 world) rounds every block
+    but a rank's own is sent once, as the top k = max(1, int(density * S)) of what has accumulated in it,
+    (int32 position, value) pairs: (world - 1) k pairs per rank and call, each message's two sections padded to
+    8 bytes. The rank's own block, its partial sums added in, is its output shard, dense: SparDL's final top-k and
+    all-gather are not needed, since FSDP wants only the shard.
+
+    Error feedback on the rank's full unsharded input (the compressor's own memory, per (parameter, shard)
+    piece): what it did not pass on of the other blocks (its own entries and the partial sums it cut) is its
+    residual. The residuals of all ranks plus the shards add up to the sum of the inputs, exactly. ``teams`` must
+    be 1 (Spar-All-Gather has no place in a reduce-scatter).
+    """
+
+    def check(self, method) -> None:
+        if method.compressor.teams != 1:
+            raise ValueError(f"spardl under FSDP2 takes teams=1 (its Spar-All-Gather across teams has no place in a "
+                             f"reduce-scatter); got teams={method.compressor.teams}")
+
+    def compress(self, compressor: SparDLCompressor, tensor, layout):
+        return compressor.compress(tensor, layout.pieces)  # the input plus this rank's residual
+
+    def exchange(self, payload, compressor: SparDLCompressor, layout, group, stats):
+        width = layout.shard_numel
+        blocks = payload.ctx.compensated.reshape(layout.world, width).clone()
+        program = spar_reduce_scatter(blocks, layout.rank, max(1, int(width * compressor.density)), lambda m: m)
+        _, sent, messages = run_program(program, group, device=blocks.device, stats=stats)
+        stats["bytes_sent"] += sent
+        stats["messages"] += messages
+        return [blocks]
+
+    def decode(self, compressor: SparDLCompressor, received, payload, layout, output):
+        blocks, = received
+        output.copy_(blocks[layout.rank])
+        blocks[layout.rank].zero_()
+        compressor.store_residual(blocks.view(-1), payload.ctx.bucket)  # what this rank did not pass on
+
+
+@register("spardl", paper="Zhao et al., SparDL, arXiv 2304.00737 (2023)", fsdp=SparDLRows)
 def spardl(density: Annotated[float, Range(0, 1, low_open=True), "fraction of each block's entries sent"] = 0.01,
            teams: Annotated[int, Range(1, None), "teams for Spar-All-Gather (must divide the workers)"] = 1
            ) -> Method:

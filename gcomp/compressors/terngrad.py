@@ -11,8 +11,9 @@ from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompr
 from gcomp.compressors import bernoulli
 from gcomp.compressors.quantise import (RankGenerator, Scratch, SeededState, per_segment_, rank_and_world,
                                         segment_lengths, segment_scales, wire_scale, work_dtype)
-from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, Compressor, Method, Payload
+from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, Compressor, Payload
 from gcomp.memory import NoMemory
+from gcomp.method import Method
 from gcomp.params import OneOf, Range
 from gcomp.registry import register
 

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from gcomp.bucket import index_dtype
 from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator
 from gcomp.compressors.sparse import SparseCompressor, magnitude_keys, positions_at_least
-from gcomp.core import Method
 from gcomp.memory import ResidualMemory
+from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
 

@@ -8,8 +8,8 @@ import torch
 
 from gcomp.collectives import AllgatherCommunicator
 from gcomp.compressors.sparse import SparseCompressor, magnitude_keys, positions_at_least
-from gcomp.core import Method
 from gcomp.memory import ResidualMemory
+from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
 

@@ -7,12 +7,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from gcomp.fsdp.layout import ShardLayout
+from gcomp.sharding import ShardLayout
 
 
 class GcompReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter for one FSDP module, served by the model's ``FSDPState`` (its codec says what goes on
-    the wire and by which collective).
+    """FSDP2's reduce-scatter for one FSDP module, served by the model's ``FSDPState`` (its method's row strategy
+    says what goes on the wire and by which collective).
 
     FSDP calls it with its flat, shard-major reduce-scatter input, the output shard to fill, the shard group and
     its reduce op (AVG, PREMUL_SUM by its divide factor, or SUM), synchronously (``async_op=False``) inside its

@@ -20,40 +20,32 @@ from typing import Union
 import torch
 import torch.distributed as dist
 
-from gcomp.core import Method
-from gcomp.fsdp.state import FSDPState, SavedState
-from gcomp.hook import _STAT_KEYS
+from gcomp.fsdp.state import FSDPState
+from gcomp.method import MethodUnit
+from gcomp.registry import method_from
+from gcomp.run_state import RunState
 
 
-class ReplicaState(SavedState):
+class ReplicaState(RunState):
     """The cross-replica all-reduce of an HSDP run: on the wire, what the method sends for one bucket (its own
     docstring; ``fp16``: the shard in 16 bits by all-reduce), per FSDP module and step, over the replicate group.
     ``stats`` as ``HookState``'s (``buckets`` counts shard reductions); checkpoints as ``FSDPState``'s, per
     parameter piece ``"<parameter>[<shard>]"``."""
 
-    def __init__(self, shard_state: FSDPState, group: dist.ProcessGroup, method: Method):
-        if method.compressor.reads_model:
+    def __init__(self, shard_state: FSDPState, group: dist.ProcessGroup, method: MethodUnit):
+        if method.reads_model:
             raise ValueError(f"{method.name} reads the model's masks by DDP's bucket layout and cannot reduce a "
                              "shard across replicas; pick a method that does not (identity, fp16, bf16, topk, ...)")
-        self.shard_state, self.group, self.method = shard_state, group, method
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.iteration = 0
-        self._stat_keys = _STAT_KEYS + method.stat_keys
-        self.stats = {k: 0.0 if k.endswith("_s") else 0 for k in self._stat_keys}
-        self._numels = {}
+        super().__init__(method, group)
+        self.shard_state = shard_state
         for comm in shard_state.comms:
             layout = comm.static_layout
             self._numels.update(zip(layout.own.names, layout.own.numels))
-        self._task = None
-        method.compressor.bind(None, group, self.stats)
+        self.join(None)
 
     def reduce(self, comm, shard: torch.Tensor) -> None:
         """Average ``shard`` (FSDP's reduced shard of ``comm``'s module, in place) over the replicas."""
-        task = torch._C._current_graph_task_id()
-        if task == -1 or task != self._task:
-            self._task = task
-            self.iteration += 1
-            self.stats["steps"] += 1
+        self.count_step_of_backward()
         info = comm.layout.own
         self.stats["buckets"] += 1
         self.stats["bytes_dense"] += shard.numel() * shard.element_size()
@@ -72,14 +64,13 @@ class _Hook:
         self.state.reduce(self.comm, shard)
 
 
-def replicate(state: FSDPState, group: dist.ProcessGroup, name_or_method: Union[str, Method],
+def replicate(state: FSDPState, group: dist.ProcessGroup, name_or_method: Union[str, MethodUnit],
               **params) -> ReplicaState:
     """Average every FSDP module's reduced shard over ``group`` (the replicate dimension) through a gcomp method;
     returns its state. ``state`` is the shard method's (``gcomp.install`` on a model sharded on one dimension)."""
-    from gcomp.attach import make_method
     if getattr(state, "replica", None) is not None:
         raise RuntimeError("a replica method is already installed on this model")
-    replica = ReplicaState(state, group, make_method(name_or_method, params))
+    replica = ReplicaState(state, group, method_from(name_or_method, params))
     for comm in state.comms:
         comm.module.set_all_reduce_hook(_Hook(replica, comm))
     state.replica = replica

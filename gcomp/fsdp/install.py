@@ -5,11 +5,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from gcomp.core import Method
-from gcomp.fsdp.codec import codec_for
 from gcomp.fsdp.comm import GcompReduceScatter
-from gcomp.fsdp.layout import ShardLayout
+from gcomp.fsdp.methods import check_serves_fsdp
 from gcomp.fsdp.state import FSDPState
+from gcomp.method import Method
+from gcomp.sharding import ShardLayout
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -23,11 +23,11 @@ def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
 
 def install_fsdp(model: FSDPModule, method: Method, process_group: dist.ProcessGroup | None = None) -> FSDPState:
     """Put gcomp's reduce-scatter for ``method`` on every FSDP module of ``model`` (the root ``fully_shard``-ed
-    module); returns the state. Refuses methods without an FSDP codec, native HSDP, and a second install."""
+    module); returns the state. Refuses methods without an FSDP2 row strategy, native HSDP, and a second install."""
     if getattr(model, "_gcomp_state", None) is not None:
         raise RuntimeError(f"a gcomp method ({model._gcomp_state.method.name}) is already installed on this "
                            "fully_shard-ed model")
-    codec = codec_for(method)
+    check_serves_fsdp(method)
     modules = fsdp_modules(model)
     if not modules:
         raise ValueError("gcomp.install: this fully_shard-ed model has no FSDP module holding parameters")
@@ -56,8 +56,7 @@ def install_fsdp(model: FSDPModule, method: Method, process_group: dist.ProcessG
         params = [p for p in module._get_fsdp_state()._fsdp_param_group.fsdp_params if p.sharded_param.requires_grad]
         layouts.append(ShardLayout(index, tuple(names[id(p.sharded_param)] for p in params),
                                    tuple(p.sharded_param.size() for p in params), world, rank, torch.float32))
-    state = FSDPState(method, codec, model, group, layouts)
-    state.comms, state.replica = [], None
+    state = FSDPState(method, model, group, layouts)
     for index, module in enumerate(modules):
         comm = GcompReduceScatter(state, module, index, names)
         comm.static_layout = layouts[index]

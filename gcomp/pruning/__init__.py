@@ -11,3 +11,12 @@ from gcomp.pruning.prune import PruneResult, kept_fraction, prune
 
 __all__ = ["PruneResult", "StructuredADMM", "check_masks_agree", "kept_fraction", "mask_of", "masks_digest",
            "named_masks", "positions_digest", "prune"]
+
+
+def __getattr__(name: str):
+    if name == "GroupSupport":  # packing's since 0.1: a pruned model's masks are made here, reduced there
+        import importlib
+        import warnings
+        warnings.warn("gcomp.pruning.GroupSupport is gcomp.packing.GroupSupport", DeprecationWarning, stacklevel=2)
+        return importlib.import_module("gcomp.packing").GroupSupport
+    raise AttributeError(f"module 'gcomp.pruning' has no attribute {name!r}")

@@ -1,9 +1,9 @@
-"""Where each parameter's gradient lies in FSDP2's flat reduce-scatter input.
+"""Where each parameter's gradient lies in FSDP2's flat reduce-scatter input (its rows: one per destination shard).
 
 FSDP2 (``foreach_reduce``) pads every gradient along dim 0 to a multiple of the shard count, cuts it into that
 many equal chunks, and lays the chunks out shard-major: row r of ``input.view(world, -1)`` is chunk r of every
 parameter, in the group's parameter order; rank r's output shard is the reduced row r. Only parameters that
-received a gradient are in it (``ShardLayout.of`` refuses an input whose size says otherwise).
+received a gradient are in it (``gcomp.fsdp.comm`` refuses an input whose size says otherwise).
 """
 from __future__ import annotations
 

@@ -1,0 +1,125 @@
+"""``RunState``: what every gcomp state keeps, written once: the method, the statistics, the step count, the
+install-time agreement and the checkpoints (save, gather, load). The DDP hook's ``HookState``, FSDP2's
+``FSDPState`` and HSDP's ``ReplicaState`` are run states; each adds only how its calls arrive."""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import torch.distributed as dist
+
+from gcomp import checkpoint
+from gcomp.collectives.counting import COUNTER_KEYS
+from gcomp.method import MethodUnit
+
+STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "encode_s", "decode_s",
+             "warmup_steps", "dense_buckets", "layouts", *COUNTER_KEYS)
+
+
+class RunState:
+    """The method, its ``stats`` (a plain dict, summed over steps and calls, this rank only; ``HookState`` says
+    what each key counts), ``iteration`` (steps taken, a resumed checkpoint's included) and checkpoints in
+    ``gcomp.checkpoint``'s format, every rank's part its own.
+
+    A subclass sets ``group`` and calls ``join(model)`` once the process group exists, and counts steps with
+    ``count_step`` (or ``count_step_of_backward``); ``_numels`` maps each parameter name of the per-parameter state
+    to its number of entries, for the checks at load.
+    """
+
+    def __init__(self, method: MethodUnit, group: dist.ProcessGroup | None, extra_keys: tuple[str, ...] = ()):
+        self.method = method
+        self.group = group
+        self.world_size: int | None = None
+        self.rank: int | None = None
+        self.iteration = 0
+        keys = STAT_KEYS + tuple(k for k in extra_keys if k not in STAT_KEYS)
+        self._stat_keys = keys + tuple(k for k in method.stat_keys if k not in keys)
+        self.stats: dict[str, Union[int, float]] = {k: 0.0 if k.endswith("_s") else 0 for k in self._stat_keys}
+        self._numels: dict[str, int] = {}
+        self._backward = None  # the backward pass (autograd graph task) of the step being counted
+
+    # --- joining the process group ----------------------------------------------------------------------------
+
+    def join(self, model: torch.nn.Module | None) -> None:
+        """Know the group's size and this rank, bind the method, and run its install-time agreement: one MAX
+        all-reduce of ``method.install_flags()`` (pactrain's digest of the masks), here, since a method never
+        calls a collective."""
+        self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.method.bind(model, self.group, self.stats)
+        flags = self.method.install_flags()
+        if flags is None:
+            return
+        if dist.get_backend(self.group) == "nccl":  # NCCL reduces CUDA tensors only
+            flags = flags.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.group)
+        self.method.receive_install_flags(flags.cpu())
+
+    def _ensure_ready(self) -> None:
+        """Joined to the process group before a checkpoint is taken or loaded (the DDP hook joins lazily)."""
+
+    # --- steps --------------------------------------------------------------------------------------------------
+
+    def count_step(self) -> None:
+        self.iteration += 1
+        self.stats["steps"] += 1
+
+    def count_step_of_backward(self) -> None:
+        """Count a step at the first call of each backward pass (outside one, every call is a step): FSDP's
+        reduce-scatters and HSDP's all-reduce hooks do not say which call is a step's last."""
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task != self._backward:
+            self._backward = task
+            self.count_step()
+
+    @property
+    def compression_ratio(self) -> float:
+        """``bytes_dense / bytes_sent`` so far (1.0 before the first step)."""
+        return self.stats["bytes_dense"] / self.stats["bytes_sent"] if self.stats["bytes_sent"] else 1.0
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's state, filed under its rank (``gcomp.checkpoint``): tensors, bytes and plain values only,
+        so ``torch.load(path, weights_only=True)`` reads it back. ``gather_state_dict`` holds every rank's."""
+        self._ensure_ready()
+        part = {"stats": dict(self.stats), "method": self.method.state_dict()}
+        return {"format": checkpoint.STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
+                "world_size": self.world_size, "iteration": self.iteration,
+                "ranks": {checkpoint.rank_key(self.rank): checkpoint.pack(part)}}
+
+    def gather_state_dict(self, dst: int | None = None) -> dict | None:
+        """Every rank's state in one object (a collective: call it on every rank). With ``dst`` set, only that
+        rank (of the state's group) receives it and the others get None; by default every rank does. Save it on
+        one rank; ``load_state_dict`` of it on every rank hands each rank its own part."""
+        state = self.state_dict()
+        blob = state["ranks"][checkpoint.rank_key(self.rank)]
+        if dst is None:
+            parts = [None] * self.world_size
+            dist.all_gather_object(parts, blob, group=self.group)
+        else:
+            parts = [None] * self.world_size if self.rank == dst else None
+            dist.gather_object(blob, parts, dst=dist.get_global_rank(self.group, dst) if self.group else dst,
+                               group=self.group)
+            if self.rank != dst:
+                return None
+        state["ranks"] = {checkpoint.rank_key(r): b for r, b in enumerate(parts)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()`` or ``gather_state_dict()``: this rank's own part, checked before anything
+        is loaded (a bad state is a ValueError naming the key). Another rank's part is refused unless the
+        method's state is the same on every rank; a checkpoint of another world size needs every rank's part,
+        and a method that can move its state (residuals are summed, so their total is kept)."""
+        self._ensure_ready()
+        state = checkpoint.upgrade(state, self.method, self.rank, self.world_size)
+        checkpoint.check_header(state, self.method)
+        part = checkpoint.own_part(state, self.method, self.rank, self.world_size)
+        checkpoint.check_stats(part["stats"])
+        self._check_parameters(part)
+        self.method.load_state_dict(part["method"])
+        self.iteration = state["iteration"]
+        self.stats.update({k: part["stats"].get(k, 0) for k in self._stat_keys})  # in place: methods hold it
+
+    def _check_parameters(self, part: dict) -> None:
+        """The per-parameter tensors of a loaded part, against ``_numels`` (``HookState`` may defer it)."""
+        checkpoint.check_parameter_tensors(self.method, part, self._numels)

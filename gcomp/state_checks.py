@@ -1,0 +1,53 @@
+"""Checks of a checkpoint's contents, shared by every part that loads one: a bad state fails at
+``load_state_dict`` with a ValueError naming the key, never at the first backward."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+def check_state_keys(owner: object, state: dict, allowed: Sequence[str]) -> None:
+    """Raise a clear error when a checkpoint holds keys ``owner`` does not know."""
+    unknown = set(state) - set(allowed)
+    if unknown:
+        raise ValueError(f"{owner if isinstance(owner, str) else type(owner).__name__}: unexpected keys "
+                         f"{sorted(unknown)}")
+
+
+def check_state(owner: object, state: Any, required: dict[str, Any], optional: dict[str, Any] | None = None
+                ) -> None:
+    """A checkpoint's dict for ``owner``: every key of ``required`` present, no key outside ``required`` and
+    ``optional``, each value of the type its key maps to (a type or a tuple of types). Raises ValueError naming
+    the key: a bad state fails at ``load_state_dict``, never at the first backward."""
+    name = owner if isinstance(owner, str) else type(owner).__name__
+    if not isinstance(state, dict):
+        raise ValueError(f"{name}: the state must be a dict, got {type(state).__name__}")
+    known = {**required, **(optional or {})}
+    check_state_keys(name, state, known)
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise ValueError(f"{name}: the state has no {', '.join(repr(k) for k in missing)}")
+    for key, value in state.items():
+        if not isinstance(value, known[key]) or isinstance(value, bool) and known[key] in (int, (int, float)):
+            expected = known[key].__name__ if isinstance(known[key], type) else " or ".join(
+                t.__name__ for t in known[key])
+            article = "an" if expected[0] in "aeiou" else "a"
+            raise ValueError(f"{name}: {key!r} must be {article} {expected}, got {type(value).__name__}")
+
+
+def tensor_dict(owner: str, key: str, value: Any) -> dict[str, torch.Tensor]:
+    """``value``, checked to be a ``{name: tensor}`` dict (per-parameter state)."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                                              for k, t in value.items()):
+        raise ValueError(f"{owner}: {key!r} must map parameter names to tensors")
+    return value
+
+
+def sum_by_name(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-parameter tensors of several ranks added up, name by name (error feedback kept across a resize)."""
+    total: dict[str, torch.Tensor] = {}
+    for state in states:
+        for name, t in state.items():
+            total[name] = t.clone() if name not in total else total[name] + t
+    return total
