@@ -60,23 +60,18 @@ MAX_WORKERS = 99  # two digits after "<prefix>v" keep host-side names within IFN
 SUBNET_BASE = "10.213"
 MIN_BURST_BYTES = 64 * 1024
 HZ_FLOOR = 250  # the lowest common kernel HZ: tbf needs burst >= rate / HZ
-RATE_UNITS = {"": 1, "bit": 1, "kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000, "tbit": 1_000_000_000_000}
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(bit|kbit|mbit|gbit|tbit)?\s*$", re.IGNORECASE)
-RATE_FORMS = ("a rate in bits per second such as 500kbit, 100mbit, 1gbit, 2.5gbit (decimal multiples, as tc) "
-               "or 'none'")
+# The rate parsing (``parse_rate``, ``RATE_UNITS``, ``RATE_FORMS``) moved to ``gcomp.link.rates``; see __getattr__.
+_MOVED_TO_LINK = ("parse_rate", "RATE_UNITS", "RATE_FORMS")
 
 
-def parse_rate(text: str) -> int | None:
-    """``"100mbit"`` -> ``100_000_000`` bits per second; ``"none"`` or ``""`` -> ``None`` (no shaping)."""
-    if text is None or text.strip().lower() in ("", "none"):
-        return None
-    match = _RATE_RE.match(text)
-    if match is None:
-        raise ValueError(f"--bandwidth: cannot read {text!r}; expected {RATE_FORMS}")
-    rate = round(float(match.group(1)) * RATE_UNITS[(match.group(2) or "").lower()])
-    if rate <= 0:
-        raise ValueError(f"--bandwidth: {text!r} is not a positive rate; expected {RATE_FORMS}")
-    return rate
+def __getattr__(name: str):
+    """``netem.parse_rate`` and the other rate names, from ``gcomp.link`` for one release. Read when asked for, not
+    at import: this module imports nothing but the standard library, so a shaped network can be built by an
+    interpreter that never imports torch."""
+    if name in _MOVED_TO_LINK:
+        from gcomp.link import rates
+        return getattr(rates, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_burst_bytes(rate_bps: int) -> int:
