@@ -2,6 +2,7 @@
 rate parsing is checked in ``tests/link/test_rates.py``)."""
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from gcomp.bench.netem import ShapedNetwork, cleanup_stale, permitted
 from gcomp.bench.throughput import measure_throughput_bps
 from gcomp.link import parse_rate
 
-NETEM_PATH = netem.__file__
+GCOMP_DIR = os.path.dirname(os.path.dirname(netem.__file__))
 
 
 def test_default_burst_covers_rate_over_hz_and_one_gso_segment():
@@ -102,12 +103,15 @@ def test_a_failure_halfway_through_enter_deletes_what_was_created(shaping, monke
 
 
 def child_network(tail: str) -> subprocess.Popen:
-    """A fresh interpreter that loads netem.py alone (no torch import), enters a network, prints its prefix."""
+    """A fresh interpreter that imports netem (and netns) without gcomp/__init__.py, so without torch, enters a
+    network, prints its prefix."""
     script = textwrap.dedent(f"""
-        import importlib.util, sys, time
-        spec = importlib.util.spec_from_file_location("netem", {NETEM_PATH!r})
-        netem = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(netem)
+        import sys, time, types
+        package = types.ModuleType("gcomp")
+        package.__path__ = [{GCOMP_DIR!r}]  # gcomp's modules, but not its __init__ (torch, every method)
+        sys.modules["gcomp"] = package
+        from gcomp.bench import netem
+        assert "torch" not in sys.modules
         network = netem.ShapedNetwork(2, None).__enter__()
         print(network.prefix, flush=True)
     """) + tail
