@@ -11,7 +11,7 @@ rank 0 waited each step for its slowest peer to be ready to communicate (``gcomp
 
 Predicted step = compute + encode + decode + round work + wait + communication, where communication prices
 every counted collective with ``alpha`` and ``beta`` (``launched_s``): the formulas of
-``gcomp.bench.collective_costs``.
+``gcomp.link.costs``.
 
 Communication is not overlapped with the backward pass (``step_time`` says why; the error table shows
 measured and predicted communication side by side). ``model_error`` prices every shaped run on the link its
@@ -26,9 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from gcomp.bench.collective_costs import (DEFAULT_ALPHA_S, Launched, Network, bandwidth_label, comm_time,
-                                         launched_s)
 from gcomp.core import HIERARCHICAL, POINT_TO_POINT
+from gcomp.link import DEFAULT_ALPHA_S, Launched, Network, bandwidth_label, comm_time, launched_s
 
 
 @dataclass(frozen=True)

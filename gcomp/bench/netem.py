@@ -38,177 +38,45 @@ Names: everything one ``ShapedNetwork`` creates starts with its prefix ``gc<pid,
 characters, so ``<prefix>v<i>`` stays within Linux's 15-character interface names for up to 99 workers). The
 pid in the name lets ``cleanup_stale`` find what a killed run left behind; only names with that exact form are
 ever touched. Needs root, ``ip`` and ``tc`` (iproute2): ``permitted()`` says whether they are here and why not.
+
+This module holds ``ShapedNetwork`` and its tbf settings; the commands it runs, the names present, ``permitted``
+and ``cleanup_stale`` are ``gcomp.bench.netns`` (importable from here too), and the rate parsing is
+``gcomp.link.rates``.
 """
 from __future__ import annotations
 
 import atexit
-import ipaddress
 import os
-import re
-import secrets
-import shlex
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 from typing import Sequence
 
+# PREFIX, SUBNET_BASE, cleanup_stale and permitted are not used here: imported so that they stay netem's names
+from gcomp.bench.netns import (PREFIX, SUBNET_BASE, cleanup_stale, delete_names, free_subnet,  # noqa: F401
+                               link_names, namespace_names, new_prefix, permitted, run_command)
+
 INTERFACE = "eth0"
-PREFIX = "gc"
 MAX_WORKERS = 99  # two digits after "<prefix>v" keep host-side names within IFNAMSIZ - 1 = 15 characters
-SUBNET_BASE = "10.213"
 MIN_BURST_BYTES = 64 * 1024
 HZ_FLOOR = 250  # the lowest common kernel HZ: tbf needs burst >= rate / HZ
-RATE_UNITS = {"": 1, "bit": 1, "kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000, "tbit": 1_000_000_000_000}
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(bit|kbit|mbit|gbit|tbit)?\s*$", re.IGNORECASE)
-RATE_FORMS = ("a rate in bits per second such as 500kbit, 100mbit, 1gbit, 2.5gbit (decimal multiples, as tc) "
-               "or 'none'")
+# The rate parsing (``parse_rate``, ``RATE_UNITS``, ``RATE_FORMS``) moved to ``gcomp.link.rates``; see __getattr__.
+_MOVED_TO_LINK = ("parse_rate", "RATE_UNITS", "RATE_FORMS")
 
 
-def parse_rate(text: str) -> int | None:
-    """``"100mbit"`` -> ``100_000_000`` bits per second; ``"none"`` or ``""`` -> ``None`` (no shaping)."""
-    if text is None or text.strip().lower() in ("", "none"):
-        return None
-    match = _RATE_RE.match(text)
-    if match is None:
-        raise ValueError(f"--bandwidth: cannot read {text!r}; expected {RATE_FORMS}")
-    rate = round(float(match.group(1)) * RATE_UNITS[(match.group(2) or "").lower()])
-    if rate <= 0:
-        raise ValueError(f"--bandwidth: {text!r} is not a positive rate; expected {RATE_FORMS}")
-    return rate
+def __getattr__(name: str):
+    """``netem.parse_rate`` and the other rate names, from ``gcomp.link`` for one release. Read when asked for, not
+    at import: this module and ``netns`` import nothing but the standard library, so a shaped network can be
+    built by an interpreter that never imports torch."""
+    if name in _MOVED_TO_LINK:
+        from gcomp.link import rates
+        return getattr(rates, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_burst_bytes(rate_bps: int) -> int:
     """4 ms of traffic at ``rate_bps`` (tbf needs burst >= rate / HZ), at least one 64 KiB GSO segment."""
     return max(rate_bps // 8 // HZ_FLOOR, MIN_BURST_BYTES)
-
-
-def run_command(argv: Sequence[str]) -> str:
-    """Run a command; on failure a RuntimeError showing the command and its stderr."""
-    try:
-        done = subprocess.run(list(argv), check=True, capture_output=True, text=True)
-    except subprocess.CalledProcessError as error:
-        raise RuntimeError(f"command failed (exit {error.returncode}): {shlex.join(argv)}\n"
-                           f"{(error.stderr or '').strip()}") from None
-    except OSError as error:
-        raise RuntimeError(f"command failed: {shlex.join(argv)}\n{error}") from None
-    return done.stdout
-
-
-def _run_quietly(argv: Sequence[str]) -> bool:
-    """Run a command whose failure is expected at times (deleting what may be gone already)."""
-    try:
-        return subprocess.run(list(argv), capture_output=True).returncode == 0
-    except OSError:
-        return False
-
-
-def namespace_names() -> list[str]:
-    """Every network namespace that ``ip netns`` knows, by name."""
-    return [line.split()[0] for line in run_command(["ip", "netns", "list"]).splitlines() if line.strip()]
-
-
-def link_names() -> list[str]:
-    """Every interface in the root namespace, by name (without the ``@peer`` suffix)."""
-    names = []
-    for line in run_command(["ip", "-o", "link", "show"]).splitlines():
-        fields = line.split(": ", 2)
-        if len(fields) >= 2:
-            names.append(fields[1].split("@")[0])
-    return names
-
-
-def _new_prefix() -> str:
-    """``gc<pid, 7 digits><3 random hex>``: unique per run, and the pid says whether its owner is still alive."""
-    return f"{PREFIX}{os.getpid() % 10**7:07d}{secrets.token_hex(2)[:3]}"
-
-
-def permitted() -> tuple[bool, str]:
-    """Whether namespaces, veth pairs and tbf can be created here: ``(True, "")`` or ``(False, why)``."""
-    try:
-        if os.geteuid() != 0:
-            return False, "bandwidth shaping needs root: running unshaped"
-        for tool in ("ip", "tc"):
-            if shutil.which(tool) is None:
-                return False, f"bandwidth shaping needs '{tool}' (iproute2) on PATH: running unshaped"
-        return _probe()
-    except Exception as error:  # never raise: the caller only wants to know whether to shape
-        return False, f"bandwidth shaping is unavailable ({error}): running unshaped"
-
-
-def _probe() -> tuple[bool, str]:
-    """Build a bridge, a veth pair and a tbf inside a throwaway namespace (nothing outside it is touched)."""
-    namespace = _new_prefix() + "probe"
-    try:
-        run_command(["ip", "netns", "add", namespace])
-        run_command(["ip", "-n", namespace, "link", "add", "pbr", "type", "bridge"])
-        run_command(["ip", "-n", namespace, "link", "add", "pa", "type", "veth", "peer", "name", "pb"])
-        run_command(["tc", "-n", namespace, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit", "burst", "16000",
-              "latency", "50ms"])
-    except RuntimeError as error:
-        reason = str(error).splitlines()[-1]
-        return False, f"cannot create network namespaces, veth pairs or tbf here ({reason}): running unshaped"
-    finally:
-        _run_quietly(["ip", "netns", "del", namespace])
-    return True, ""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _delete(namespaces: Sequence[str], links: Sequence[str]) -> None:
-    """Delete namespaces (which takes their veth ends, and so the pairs) then root-namespace links, quietly."""
-    for name in namespaces:
-        _run_quietly(["ip", "netns", "del", name])
-    for name in links:
-        _run_quietly(["ip", "link", "del", name])
-
-
-def cleanup_stale(prefix: str = PREFIX) -> list[str]:
-    """Remove namespaces and links named ``<prefix><pid, 7 digits><3 hex>...`` whose pid is no longer alive.
-
-    Returns the names removed. Anything whose owner still runs, or whose name has another form, is left alone.
-    """
-    owner = re.compile(rf"^{re.escape(prefix)}(\d{{7}})[0-9a-f]{{3}}")
-    namespaces, links = namespace_names(), link_names()
-
-    def stale(name: str) -> bool:
-        match = owner.match(name)
-        return match is not None and not _pid_alive(int(match.group(1)))
-
-    doomed_namespaces, doomed_links = [n for n in namespaces if stale(n)], [n for n in links if stale(n)]
-    doomed = doomed_namespaces + doomed_links
-    _delete(doomed_namespaces, doomed_links)
-    remaining = set(namespace_names()) | set(link_names())
-    return [name for name in doomed if name not in remaining]
-
-
-def _free_subnet(seed: int) -> ipaddress.IPv4Network:
-    """A ``10.213.S.0/24`` that overlaps no IPv4 address or route of the root namespace, starting from ``seed``.
-
-    The workers' namespaces have routing tables of their own, so an overlap would not break them; avoiding it
-    keeps ``ip addr`` and packet captures on the host unambiguous.
-    """
-    used = []
-    for line in (run_command(["ip", "-4", "-o", "addr", "show"]) + run_command(["ip", "-4", "route", "show"])).splitlines():
-        for token in line.split():
-            try:
-                used.append(ipaddress.ip_network(token, strict=False))
-            except ValueError:
-                continue
-    for step in range(256):
-        subnet = ipaddress.ip_network(f"{SUBNET_BASE}.{(seed + step) % 256}.0/24")
-        if not any(subnet.overlaps(other) for other in used if other.version == 4 and other.prefixlen > 0):
-            return subnet
-    raise RuntimeError(f"no free /24 left in {SUBNET_BASE}.0.0/16 for the shaped network")
 
 
 class ShapedNetwork:
@@ -265,7 +133,7 @@ class ShapedNetwork:
     def _build(self) -> None:
         self.prefix = self._unused_prefix()
         self.bridge = f"{self.prefix}br"
-        subnet = _free_subnet(int(self.prefix[-3:], 16))
+        subnet = free_subnet(int(self.prefix[-3:], 16))
         self.namespaces = [f"{self.prefix}n{i}" for i in range(self.workers)]
         self.addresses = [str(subnet.network_address + i + 1) for i in range(self.workers)]
         run_command(["ip", "link", "add", self.bridge, "type", "bridge"])
@@ -276,7 +144,7 @@ class ShapedNetwork:
     def _unused_prefix(self) -> str:
         taken = namespace_names() + link_names()
         for _ in range(100):
-            prefix = _new_prefix()
+            prefix = new_prefix()
             if not any(name.startswith(prefix) for name in taken):
                 return prefix
         raise RuntimeError("ShapedNetwork: no unused name prefix found")
@@ -347,7 +215,7 @@ class ShapedNetwork:
             namespaces, links = self._leftovers()
             if not namespaces and not links:
                 return
-            _delete(namespaces, links)
+            delete_names(namespaces, links)
         namespaces, links = self._leftovers()
         if namespaces or links:
             raise RuntimeError(f"ShapedNetwork: could not delete {', '.join(namespaces + links)}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from gcomp.bench.netem import parse_rate
+from gcomp.link import parse_rate
 
 FORM = "RATE,RATE@STEP,... (1gbit,100mbit@60: 1gbit from the start, 100mbit from step 60 on)"
 

@@ -31,6 +31,7 @@ from gcomp.bench.methods import parse_method
 from gcomp.bench.rate_control import RateController
 from gcomp.bench.rate_schedule import describe_schedule, is_schedule, parse_schedule
 from gcomp.bench.workloads import MODELS, accuracy, load_data, loss_fn, make_model
+from gcomp.link import parse_rate
 
 DEFAULT_METHODS = ("identity", "fp16", "topk:ratio=0.01", "terngrad", "pactrain", "pactrain:ternary=true",
                    "torch:allreduce", "torch:fp16", "torch:powersgd")
@@ -43,10 +44,9 @@ class BenchConfig:
 
     The default is the PacTrain scenario at a size that races on 2 cores: an MLP pre-trained on the digits 0-4,
     pruned with GraSP on the new task's data (by the methods that prune), fine-tuned on the digits 5-9 over
-    100 Mbit links. ``bandwidth`` may
-    list several rates ("100mbit,1gbit") and ``prune_ratio`` several ratios: a sweep. ``seeds`` runs every
-    method that many times, with seeds ``seed``, ``seed + 1``, ... (initialisation, pre-training and data
-    order; the train/test split stays the one of ``seed``)."""
+    100 Mbit links. ``bandwidth`` may list several rates ("100mbit,1gbit") and ``prune_ratio`` several ratios:
+    a sweep. ``seeds`` runs every method that many times, with seeds ``seed``, ``seed + 1``, ... (initialisation,
+    pre-training and data order; the train/test split stays the one of ``seed``)."""
 
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     dataset: str = "digits-transfer"
@@ -94,7 +94,7 @@ class BenchConfig:
                              f"{self.prune_ratio!r}")
         if len(set(ratios)) != len(ratios):
             raise ValueError(f"--prune-ratio lists a ratio twice: {self.prune_ratio!r}")
-        from gcomp.bench import devices, netem
+        from gcomp.bench import devices
         if is_schedule(self.bandwidth):
             rates = [s.rate for s in parse_schedule(self.bandwidth, self.steps)]  # a ValueError saying what is wrong
         else:
@@ -104,10 +104,10 @@ class BenchConfig:
             if len(rates) > 1 and "none" in rates:
                 raise ValueError("--bandwidth: a sweep compares shaped rates; 'none' cannot be one of its points")
             for rate in rates:
-                netem.parse_rate(rate)  # a ValueError naming the rate and the form it takes
+                parse_rate(rate)  # a ValueError naming the rate and the form it takes
         devices.check_device(self.device)
         devices.check_backend(self.backend, self.device, self.workers)
-        if self.backend == "nccl" and any(netem.parse_rate(rate) is not None for rate in rates):
+        if self.backend == "nccl" and any(parse_rate(rate) is not None for rate in rates):
             # NCCL between GPUs of one host moves data over NVLink, PCIe or shared memory, never through the
             # namespaces' veth links that tc shapes: a "shaped" NCCL race would be unshaped under its label.
             raise ValueError(f"--bandwidth {self.bandwidth}: shaping applies to gloo's TCP links only; NCCL on "
@@ -227,7 +227,7 @@ def run(config: BenchConfig, out: Path, log=print) -> tuple[list[dict], str]:
     rows, networks = [], []
     schedule = config.rate_schedule()
     for point, bandwidth in enumerate(config.bandwidths()):
-        rate = schedule[0]["rate_bps"] if schedule else netem.parse_rate(bandwidth)
+        rate = schedule[0]["rate_bps"] if schedule else parse_rate(bandwidth)
         network = "unshaped (127.0.0.1)"
         shaped = None
         if rate is not None:

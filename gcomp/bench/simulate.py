@@ -20,8 +20,8 @@ from typing import Sequence
 
 import statistics
 
-from gcomp.bench.collective_costs import DEFAULT_ALPHA_S, Network, bandwidth_label
 from gcomp.bench.costmodel import Profile, error_by_method, model_error, project
+from gcomp.link import DEFAULT_ALPHA_S, Network, bandwidth_label
 
 DEFAULT_WORKERS = (8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_BANDWIDTHS = ("100mbit", "1gbit", "10gbit", "100gbit")

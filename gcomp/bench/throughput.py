@@ -7,11 +7,15 @@ are small ``python -c`` scripts run inside the workers' namespaces; the clock st
 received, so the connection set-up is not timed.
 
 ``probe_link``: the path as the benchmark's collectives see it, measured by the workers themselves at the start
-of a run (``gcomp.bench.worker``): timed gloo all-reduces of a tiny and of a large tensor over every worker.
-A ring all-reduce of ``n`` bytes over ``P`` ranks takes ``2(P-1)`` messages and moves ``2(P-1)/P * n`` bytes
-per rank, so the tiny one gives the latency per message ``alpha`` (tc's queueing, veth, the bridge, gloo's
-TCP and its threads, and the scheduling of ``P`` processes on this machine's cores, all included) and the
-difference of the two the seconds per byte ``beta``. ``gcomp simulate`` prices every collective with them.
+of a run (``gcomp.bench.worker``): timed gloo all-reduces of a tiny and of a large tensor over every worker
+(``gcomp.link.probe``: ``timed_allreduce_s``, ``link_from_timings``). A ring all-reduce of ``n`` bytes over
+``P`` ranks takes ``2(P-1)`` messages and moves ``2(P-1)/P * n`` bytes per rank, so the tiny one gives the
+latency per message ``alpha`` (tc's queueing, veth, the bridge, gloo's TCP and its threads, and the scheduling
+of ``P`` processes on this machine's cores, all included) and the difference of the two the seconds per byte
+``beta``. ``gcomp simulate`` prices every collective with them.
+
+``timed_allreduce_s``, ``link_from_timings``, ``PROBE_SMALL_BYTES`` and ``PROBE_LARGE_BYTES`` live in
+``gcomp.link`` and stay importable from here for one release.
 """
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ import sys
 import time
 from typing import Sequence
 
-from gcomp.bench.netem import RATE_FORMS, ShapedNetwork, cleanup_stale, parse_rate, permitted, run_command
+from gcomp.bench.netem import ShapedNetwork, cleanup_stale, permitted, run_command
+from gcomp.link import (PROBE_LARGE_BYTES, PROBE_SMALL_BYTES, RATE_FORMS, link_from_timings, parse_rate,
+                        timed_allreduce_s)
 
 _RECEIVER = """
 import socket, sys, time
@@ -73,45 +79,7 @@ def measure_throughput_bps(network: ShapedNetwork, sender: int, receiver: int, n
     return int(received) * 8 / float(elapsed)
 
 
-# 128 int64: small, yet an entry for every rank's chunk of a ring up to 128 ranks; a one-entry all-reduce
-# leaves most chunks empty and read a far lower alpha than the rounds of a run met (8 ranks: 60 us against ~1 ms)
-PROBE_SMALL_BYTES = 1024
-PROBE_LARGE_BYTES = 1 << 20  # large enough that the bytes, not the messages, dominate at 100 Gbit/s too
 PROBE_REPEATS = (15, 3)  # small, large: the fastest of this many, after one untimed warm-up of each
-
-
-def timed_allreduce_s(nbytes: int, repeats: int, group, device, warmup: bool = True) -> float:
-    """The fastest of ``repeats`` all-reduces of ``nbytes`` on this rank, every rank starting together: what the
-    path itself takes (other work on the machine only ever adds to it). ``warmup``: one untimed all-reduce
-    first (connections, buffers); a running job whose training opened them needs none."""
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.zeros(max(nbytes // 8, 1), dtype=torch.int64, device=device)
-    if warmup:
-        dist.all_reduce(tensor, group=group)
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
-        if tensor.device.type == "cuda":
-            torch.cuda.synchronize(tensor.device)
-        samples.append(time.perf_counter() - start)
-    return min(samples)
-
-
-def link_from_timings(small_s: float, large_s: float, workers: int, small_bytes: int = PROBE_SMALL_BYTES,
-                      large_bytes: int = PROBE_LARGE_BYTES) -> dict:
-    """``alpha_s`` (seconds per message) and ``beta_s`` (seconds per byte) from the times of two ring all-reduces
-    of ``small_bytes`` and ``large_bytes`` over ``workers`` ranks (``2(P-1)`` messages, ``2(P-1)/P * n`` bytes
-    per rank each); with one worker there is no link (both None)."""
-    if workers < 2:
-        return {"alpha_s": None, "beta_s": None}
-    share = 2 * (workers - 1) / workers
-    beta = max(large_s - small_s, 0.0) / (share * (large_bytes - small_bytes))
-    alpha = max(small_s - share * small_bytes * beta, 0.0) / (2 * (workers - 1))
-    return {"alpha_s": alpha, "beta_s": beta}
 
 
 def probe_link(group=None, small_bytes: int = PROBE_SMALL_BYTES, large_bytes: int = PROBE_LARGE_BYTES,
