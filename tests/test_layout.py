@@ -2,6 +2,10 @@
 
 - ``gcomp.pruning`` (making masks) is the ground floor: it imports nothing from ``gcomp.packing`` (reducing a
   masked bucket), nor from the hook, the methods or the collectives;
+- the benchmark is the top floor: only ``gcomp/bench/`` and ``gcomp/cli.py`` import ``gcomp.bench``, and
+  ``import gcomp`` loads none of it;
+- ``gcomp.link`` (the link model ``auto`` and the benchmark share) imports nothing from the floors above it;
+- no module of ``gcomp`` is over 300 lines;
 - nothing in the code, the tests, the examples, the README or ``docs/`` cites a file that is not in the
   repository (a design note or spec kept elsewhere), and every repository path they name exists;
 - every asynchronous collective's future is taken through ``gcomp.collectives.futures.launched``, so the hook
@@ -11,6 +15,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +26,9 @@ TEXT_FILES = sorted([*ROOT.glob("gcomp/**/*.py"), *ROOT.glob("tests/**/*.py"), *
                      *ROOT.glob("docs/*.md"), ROOT / "README.md"])
 ABOVE_PRUNING = ("gcomp.packing", "gcomp.compressors", "gcomp.collectives", "gcomp.hook", "gcomp.bench",
                  "gcomp.registry", "gcomp.memory")
+ABOVE_LINK = ("gcomp.bench", "gcomp.auto", "gcomp.fsdp", "gcomp.hook", "gcomp.attach", "gcomp.compressors")
+MAY_IMPORT_BENCH = ("gcomp/bench/", "gcomp/cli.py")
+MAX_LINES = 300
 # A repository path as prose names it: a top-level folder of the project, then a file or folder.
 REPO_PATH = re.compile(r"(?<![\w./-])((?:gcomp|tests|examples|docs)/[\w./-]*\w)")
 ELSEWHERE = re.compile(r"DESIGN\.md|ALGORITHMS\.md|specs/|specs §|\.\./shared")
@@ -33,6 +42,36 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
     return names
+
+
+def _module_imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` for every module ``path`` imports, relative imports resolved against its package, and
+    ``from a import b`` read as both ``a`` and ``a.b`` (``b`` may be a module: ``from gcomp import bench``).
+    ``importlib.import_module`` and ``__import__`` of a literal name count too."""
+    return _imports_in(path.read_text(), path.relative_to(ROOT).parts[:-1])
+
+
+def _imports_in(source: str, package: tuple[str, ...]) -> list[tuple[int, str]]:
+    """``_module_imports`` of ``source``, a module of ``package`` (``("gcomp", "auto")``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            if module:
+                found.append((node.lineno, module))
+            found.extend((node.lineno, f"{module}.{alias.name}" if module else alias.name) for alias in node.names)
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def _within(module: str, packages) -> bool:
+    return any(module == package or module.startswith(package + ".") for package in packages)
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.glob("gcomp/pruning/*.py")), ids=lambda p: p.name)
@@ -72,3 +111,36 @@ def test_collectives_futures_are_taken_through_launched(path):
     calls = [node.lineno for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get_future"]
     assert not calls, f"{path.name}: .get_future() on line(s) {calls}; use gcomp.collectives.futures.launched(work)"
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("gcomp/**/*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_bench_and_cli_import_bench(path):
+    name = path.relative_to(ROOT).as_posix()
+    if name.startswith(MAY_IMPORT_BENCH):
+        return
+    lines = {}
+    for line, module in _module_imports(path):
+        if _within(module, ("gcomp.bench",)):
+            lines[line] = min(lines.get(line, module), module, key=len)
+    found = [f"{name}:{line}: {module}" for line, module in sorted(lines.items())]
+    assert not found, ("only gcomp/bench/ and gcomp/cli.py may import the benchmark (the link model is gcomp.link):\n"
+                       + "\n".join(found))
+
+
+def test_import_gcomp_loads_no_bench_module():
+    code = "import gcomp, sys; print([m for m in sys.modules if m.startswith('gcomp.bench')])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"import gcomp loads the benchmark: {done.stdout.strip()}"
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("gcomp/link/*.py")), ids=lambda p: p.name)
+def test_link_imports_only_the_floors_below(path):
+    above = sorted({f"{line}: {module}" for line, module in _module_imports(path) if _within(module, ABOVE_LINK)})
+    assert not above, f"{path.relative_to(ROOT)} imports from the floors above gcomp.link: {above}"
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("gcomp/**/*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_over_300_lines(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES}): split it"
