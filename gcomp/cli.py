@@ -11,7 +11,7 @@ import gcomp
 
 def _list(args) -> int:
     names = gcomp.available()
-    collectives = {name: gcomp.create(name).communicator.collective for name in names}
+    collectives = {name: gcomp.create(name).collective or "chosen per bucket" for name in names}
     width = max(map(len, names), default=0)
     column = max(map(len, collectives.values()), default=0)
     for name in names:

@@ -214,9 +214,15 @@ class Method(MethodUnit):
         return self.memory.replicated and self.compressor.replicated
 
     def parameter_state(self, state: dict) -> dict:
-        slots = dict(self.memory.parameter_state(state["memory"]))
-        for slot, tensors in self.compressor.parameter_state(state["compressor"]).items():
-            slots[f"compressor {slot}" if slot in slots else slot] = tensors
+        slots: dict = {}
+        for key in ("memory", "compressor"):
+            part = getattr(self, key)
+            try:
+                own = part.parameter_state(state[key])
+            except KeyError as err:
+                raise ValueError(f"gcomp checkpoint: the {key} state of {self.name} ({type(part).__name__}) has no "
+                                 f"{err.args[0]!r}") from err
+            slots.update({f"{key} {slot}" if slot in slots else slot: tensors for slot, tensors in own.items()})
         return slots
 
     def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:

@@ -58,7 +58,7 @@ def install_and_load_cases() -> dict:
     model = ddp(mlp(0))
     gcomp.install(model, "identity")
     topk = _trained_state("topk", ratio=0.05)
-    residual = next(iter(checkpoint.unpack("rank0", topk["ranks"]["rank0"])["memory"]["residuals"]))
+    residual = next(iter(checkpoint.unpack("rank0", topk["ranks"]["rank0"])["method"]["memory"]["residuals"]))
     pactrain = _trained_state("pactrain", _pruned_mlp(), stable_steps=1)
 
     cases = {
@@ -82,16 +82,16 @@ def install_and_load_cases() -> dict:
         "load: another rank's state": _load({**topk, "ranks": {"rank1": topk["ranks"]["rank0"]}}),
         "load: another method's state": _load(topk, "randomk"),
         "load: other parameters": _load(topk, "topk", ratio=0.5),
-        "load: a residual of the wrong size": _load(_edit_part(topk, lambda p: p["memory"]["residuals"].update(
+        "load: a residual of the wrong size": _load(_edit_part(topk, lambda p: p["method"]["memory"]["residuals"].update(
             {residual: torch.zeros(3)})), ratio=0.05),
-        "load: a non-finite residual": _load(_edit_part(topk, lambda p: p["memory"]["residuals"][residual].fill_(
+        "load: a non-finite residual": _load(_edit_part(topk, lambda p: p["method"]["memory"]["residuals"][residual].fill_(
             float("nan"))), ratio=0.05),
         "load: a residual for a parameter the model lacks": _load(_edit_part(
-            topk, lambda p: p["memory"]["residuals"].update({"head.weight": torch.zeros(3)})), ratio=0.05),
-        "load: residuals missing": _load(_edit_part(topk, lambda p: p["memory"].pop("residuals")), ratio=0.05),
+            topk, lambda p: p["method"]["memory"]["residuals"].update({"head.weight": torch.zeros(3)})), ratio=0.05),
+        "load: residuals missing": _load(_edit_part(topk, lambda p: p["method"]["memory"].pop("residuals")), ratio=0.05),
         "load: a negative statistic": _load(_edit_part(topk, lambda p: p["stats"].update(steps=-2)), ratio=0.05),
         "load: an unknown tracker mode": _load(_edit_part(pactrain, lambda p: [
-            e.update(mode="frozen") for e in p["compressor"]["tracker"].values()]), "pactrain", _pruned_mlp(),
+            e.update(mode="frozen") for e in p["method"]["compressor"]["tracker"].values()]), "pactrain", _pruned_mlp(),
             stable_steps=1),
     }
     for label, call in cases.items():

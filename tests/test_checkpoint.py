@@ -110,7 +110,7 @@ def test_resume_in_a_fresh_process_group_is_bit_identical(tmp_path):
         _plain_values_only(checkpoint["gcomp"])
         part = torch.load(io.BytesIO(checkpoint["gcomp"]["ranks"][f"rank{r}"]), weights_only=True)  # this rank's
         _plain_values_only(part)
-        residuals = part["memory"]["residuals"]
+        residuals = part["method"]["memory"]["residuals"]
         assert residuals and any(t.abs().sum() > 0 for t in residuals.values())  # there is state to carry
         assert checkpoint["optimizer"]["state"]  # momentum buffers too
 
@@ -143,7 +143,7 @@ def test_load_state_dict_rejects_another_method_or_other_parameters():
 
 def _residuals(state: dict, rank: int) -> dict:
     part = torch.load(io.BytesIO(state["ranks"][f"rank{rank}"]), weights_only=True)
-    return part["memory"]["residuals"]
+    return part["method"]["memory"]["residuals"]
 
 
 def _rank0_saves_for_everyone(name: str, params: dict) -> str:
@@ -283,13 +283,12 @@ def test_a_resize_is_refused_where_the_state_cannot_move(tmp_path):
 RESIZE_REFUSED = {"signum", "prunex"}  # a momentum that is not additive; state on node leaders only
 
 
-def _parameter_totals(method: gcomp.Method, parts: list) -> dict:
+def _parameter_totals(method: gcomp.MethodUnit, parts: list) -> dict:
     total = {}
     for part in parts:
-        for owner, key in ((method.memory, "memory"), (method.compressor, "compressor")):
-            for slot, tensors in owner.parameter_state(part[key]).items():
-                for name, t in tensors.items():
-                    total[(slot, name)] = total.get((slot, name), 0) + t.double()
+        for slot, tensors in method.parameter_state(part["method"]).items():
+            for name, t in tensors.items():
+                total[(slot, name)] = total.get((slot, name), 0) + t.double()
     return total
 
 

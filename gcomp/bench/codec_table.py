@@ -158,7 +158,7 @@ def measure(name: str, numel: int, repeats: int, generator: torch.Generator, dev
             "codec_s": codec, "codec_clock": "host" if device.type == "cuda" else "wall",
             "codec_ratio": codec / copy_s, "reduce_s": reduce_s, "reduce_ratio": reduce_s / copy_s,
             "copy_gbps": gbps(bucket_bytes, copy_s), "reduce_gbps": gbps(bucket_bytes, reduce_s),
-            "bits_per_entry": bits, "floor": floor(name, bits, state.method.memory.stateful),
+            "bits_per_entry": bits, "floor": floor(name, bits, state.method.error_feedback),
             "peak_extra_frac": memory.peak_extra_bytes / bucket_bytes,
             "largest_alloc_frac": memory.largest_bytes / bucket_bytes}
 

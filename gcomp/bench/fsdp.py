@@ -22,7 +22,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 import gcomp
 from gcomp.bench.methods import BenchMethod, parse_method
-from gcomp.fsdp.codec import codec_for, fsdp_methods
+from gcomp.fsdp.methods import check_serves_fsdp, fsdp_methods
 
 PLAIN = "torch:allreduce"  # plain FSDP2 under --fsdp
 DEFAULT_METHODS = (PLAIN, "identity", "fp16", "pactrain", "spardl")
@@ -30,7 +30,7 @@ DEFAULT_METHODS = (PLAIN, "identity", "fp16", "pactrain", "spardl")
 
 def check_methods(methods: list[str]) -> None:
     """A ValueError for a method that cannot run under FSDP2 (PyTorch's DDP hooks, methods without an FSDP codec,
-    options an FSDP codec refuses), naming those that can."""
+    options a row strategy refuses), naming those that can."""
     for text in methods:
         method = parse_method(text)
         if method.is_torch:
@@ -39,7 +39,7 @@ def check_methods(methods: list[str]) -> None:
                                  "own reduce-scatter)")
             continue
         try:
-            codec_for(gcomp.create(method.name, **method.params))
+            check_serves_fsdp(gcomp.create(method.name, **method.params))
         except ValueError as err:
             raise ValueError(f"--fsdp: {err}") from None
 

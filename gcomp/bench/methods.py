@@ -50,7 +50,7 @@ class BenchMethod:
     def collective(self) -> str:
         if self.is_torch:
             return "allreduce"
-        return gcomp.create(self.name, **self.params).communicator.collective
+        return gcomp.create(self.name, **self.params).collective or self.name  # a composite: its own name
 
 
 def parse_method(text: str) -> BenchMethod:

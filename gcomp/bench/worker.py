@@ -149,7 +149,7 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
     state = None if fsdp else getattr(ddp, "_gcomp_state", None)
     if state is not None and hasattr(state.method, "choices"):  # auto: the method it chose per bucket
         row["auto_choices"] = state.method.choices()
-        row["auto_events"] = list(state.method.compressor.events)
+        row["auto_events"] = list(state.method.events)
         row["auto_stats"] = {k: v for k, v in state.stats.items() if k.startswith("auto_")}
     return row
 

@@ -95,7 +95,10 @@ class HierarchicalMethod(Composite):
         return self.inner.parameter_state(state)
 
     def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
-        return self.inner.merge_states(assigned, every, rank)
+        if self.keeps_state:
+            raise ValueError(f"{self.label}: its inner method's state lives on the node leaders, which another number "
+                             "of ranks regroups; resume with the world size it was saved with")
+        return {}
 
 
 @register("hierarchical", paper="leader-follower reduction as in PruneX (Olama et al., arXiv 2512.14628)")

@@ -15,7 +15,8 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from gcomp.attach import comm_hook, make_method
+from gcomp.attach import comm_hook
+from gcomp.registry import method_from
 from gcomp.hook import HookState, gcomp_hook
 
 try:
@@ -42,7 +43,7 @@ class GcompCallback(Callback):
 
     def __init__(self, name_or_method, **params):
         self._method_args = (name_or_method, params)
-        make_method(name_or_method, dict(params))  # a bad name or parameter fails here, before fitting
+        method_from(name_or_method, dict(params))  # a bad name or parameter fails here, before fitting
         self.state: HookState | None = None
         self._logged = (0, 0)  # (steps, bytes_sent) at the last log
 
@@ -55,7 +56,7 @@ class GcompCallback(Callback):
             return
         name_or_method, params = self._method_args
         # known by name through the LightningModule: the DDP model made later holds the same parameters
-        self.state, _ = comm_hook(make_method(name_or_method, dict(params)), model=pl_module)
+        self.state, _ = comm_hook(method_from(name_or_method, dict(params)), model=pl_module)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.state is None:

@@ -14,7 +14,7 @@ from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
 from gcomp.collectives.p2p import Round, run_program
 from gcomp.core import MAX, SUM
-from gcomp.hook import _STAT_KEYS
+from gcomp.run_state import STAT_KEYS as _STAT_KEYS
 from tests.distributed import run_ranks
 
 N = 1000  # entries of the fp32 bucket

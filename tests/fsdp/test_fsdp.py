@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gcomp.hook import _STAT_KEYS
+from gcomp.run_state import STAT_KEYS as _STAT_KEYS
 from tests.distributed import run_ranks_once
 from tests.fsdp import fsdp_jobs as jobs
 
