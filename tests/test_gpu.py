@@ -135,7 +135,7 @@ def test_codec_table_on_cuda_times_every_method(nccl_results):
 # --- 2 gloo ranks on CUDA tensors ------------------------------------------------------------------------------
 
 def _gloo_skip_reason(name: str) -> str | None:
-    if gcomp.create(name).communicator.collective == "point-to-point":
+    if gcomp.create(name).collective == "point-to-point":
         return "gloo has no send/recv for CUDA tensors (torch.distributed's backend table)"
     return None
 

@@ -62,6 +62,7 @@ class HierarchicalMethod(Composite):
             self.inner.bind(model, self.inter, stats)
 
     def reduce(self, buffer: torch.Tensor, bucket: BucketInfo, group, stats: dict) -> torch.futures.Future:
+        stats["bytes_sent"] += buffer.numel() * buffer.element_size()  # the whole bucket, inside the node
         dist.all_reduce(buffer, group=self.intra)
         if self.inter is not None:
             before = stats["bytes_sent"]

@@ -29,7 +29,7 @@ class AlternatingLink:
         self.calls = 0
 
     def __call__(self, group, device, bucket_bytes=0):
-        from gcomp.bench.collective_costs import Network
+        from gcomp.link import Network
 
         self.calls += 1
         return Network(1e6 if self.calls % 2 else 1e12, 0.0)
@@ -37,9 +37,9 @@ class AlternatingLink:
 
 def job_switching(allow, steps: int, prune: bool = False) -> dict:
     """Train with ``auto`` on a link that a fake probe makes alternate, and every check probe again."""
-    import gcomp.auto.method as auto_method
+    import gcomp.auto.chooser as auto_chooser
 
-    auto_method.probe_network = AlternatingLink()
+    auto_chooser.probe_network = AlternatingLink()
     model = models.mlp(0)
     if prune:
         for module in model.modules():
@@ -48,19 +48,19 @@ def job_switching(allow, steps: int, prune: bool = False) -> dict:
     ddp_model = models.ddp(model, bucket_cap_mb=models.SEVERAL_BUCKETS_MB)
     state = gcomp.install(ddp_model, "auto", allow=allow, trials=2, probe_every=2, reprobe_above=1e-9)
     models.train(ddp_model, steps)
-    auto = state.method.compressor
+    auto = state.method
     return {"params": models.flat_params(ddp_model.module).clone(), "stats": dict(state.stats),
-            "choices": state.method.choices(), "active": [auto.specs[i] for i in auto.active],
-            "lossless": [auto.methods[i].compressor.lossless for i in auto.active]}
+            "choices": state.method.choices(), "active": [auto.specs[i] for i in auto.chooser.active],
+            "lossless": [auto.methods[i].lossless for i in auto.chooser.active]}
 
 
 def job_conservation(allow, steps: int) -> dict:
     """Fake float64 buckets through the hook with ``auto`` switching methods: what came out, what went in (over
     every rank), and what the candidates still hold back (over every rank), per bucket."""
-    import gcomp.auto.method as auto_method
+    import gcomp.auto.chooser as auto_chooser
     from tests.contracts_jobs import FakeBucket, bucket_groups
 
-    auto_method.probe_network = AlternatingLink()
+    auto_chooser.probe_network = AlternatingLink()
     rank = dist.get_rank()
     ddp_model = models.ddp(models.mlp(0).to(torch.float64))
     state = gcomp.HookState(gcomp.create("auto", allow=allow, trials=1, probe_every=1, reprobe_above=1e-9),
@@ -78,10 +78,10 @@ def job_conservation(allow, steps: int) -> dict:
             futures.append(state.reduce(FakeBucket(grad.clone(), index, index == len(groups) - 1, params)))
         for index, fut in enumerate(futures):
             sent[index] += fut.wait()
-    auto = state.method.compressor
+    auto = state.method
     held = [torch.zeros_like(s) for s in sent]
     parked = 0.0  # held back by a method that is not the layout's last: a switch left it behind
-    for record in auto.records.values():
+    for record in auto.chooser.records.values():
         for i, method in enumerate(auto.methods):
             for part in (method.memory.flush(record.bucket, held[record.bucket.index]),
                          method.compressor.flush(record.bucket, held[record.bucket.index])):
@@ -100,13 +100,13 @@ def job_one_slow_rank(steps: int) -> dict:
     every rank takes fp16."""
     import time
 
-    import gcomp.auto.method as auto_method
-    from gcomp.bench.collective_costs import Network
+    import gcomp.auto.chooser as auto_chooser
+    from gcomp.link import Network
 
-    auto_method.probe_network = lambda group, device, bucket_bytes=0: Network(1e12, 0.0)
+    auto_chooser.probe_network = lambda group, device, bucket_bytes=0: Network(1e12, 0.0)
     ddp_model = models.ddp(models.mlp(0), bucket_cap_mb=models.SEVERAL_BUCKETS_MB)
     state = gcomp.install(ddp_model, "auto", allow=["identity", "fp16"], trials=2)
-    identity, fp16 = (m.compressor for m in state.method.compressor.methods)
+    identity, fp16 = (m.compressor for m in state.method.methods)
 
     def slowed(codec, seconds):
         compress = codec.compress

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import gcomp
+import gcomp.auto.chooser as auto_chooser
 import gcomp.auto.method as auto_method
 from gcomp.auto.agree import Pending
 from gcomp.auto.record import LayoutRecord
 from gcomp.auto.tee import TeeStats
-from gcomp.bench.collective_costs import Network
+from gcomp.link import Network
 from gcomp.bucket import BucketInfo
 
 MB = 1_000_000
@@ -29,8 +30,8 @@ def test_tee_stats_count_apart_and_into_the_parent():
 def test_allow_is_held_as_canonical_text_and_checked_at_creation():
     assert gcomp.create("auto").params["allow"] == "exact"
     assert gcomp.create("auto", allow=["identity", "topk:ratio=0.05"]).params["allow"] == "identity|topk:ratio=0.05"
-    assert gcomp.create("auto", allow="identity|fp16").compressor.specs == ["identity", "fp16"]
-    assert gcomp.create("auto", allow="half").compressor.specs == ["identity", "pactrain", "fp16", "bf16"]
+    assert gcomp.create("auto", allow="identity|fp16").specs == ["identity", "fp16"]
+    assert gcomp.create("auto", allow="half").specs == ["identity", "pactrain", "fp16", "bf16"]
     for allow, match in [(5, "must be 'exact', 'half', or a list"), ("exactly", "unknown gradient-compression"),
                          (["spardl"], "point-to-point"), (["topk:ratio=7"], "allow entry 'topk:ratio=7'"),
                          (["pactrain:ternary=true,error_feedback=true"], "cannot hand it to another method")]:
@@ -92,7 +93,7 @@ class FakeLink:
 
 def _stats(auto) -> dict:
     keys = ("steps", "encode_s", "decode_s", "round_work_s", "rounds", "allreduce_calls", "allreduce_bytes",
-            "allgather_calls", "allgather_bytes") + auto.stat_keys
+            "allgather_calls", "allgather_bytes") + auto_method.STAT_KEYS
     return {k: 0.0 for k in keys}
 
 
@@ -122,9 +123,9 @@ COMPUTE_S = 2e-3
 
 def _no_collectives(monkeypatch, link) -> None:
     """``link`` as the probe; the agreements pass this rank's values through (one fake rank speaks for all)."""
-    monkeypatch.setattr(auto_method, "probe_network", link)
-    monkeypatch.setattr(auto_method, "agree_max", lambda values, group, device: list(values))
-    monkeypatch.setattr(auto_method, "launch_max", lambda values, group, device: Pending(None, torch.tensor(values)))
+    monkeypatch.setattr(auto_chooser, "probe_network", link)
+    monkeypatch.setattr(auto_chooser, "agree_max", lambda values, group, device: list(values))
+    monkeypatch.setattr(auto_chooser, "launch_max", lambda values, group, device: Pending(None, torch.tensor(values)))
 
 
 def _small_bucket(topk_encode_s: float) -> dict:
@@ -135,8 +136,8 @@ def _small_bucket(topk_encode_s: float) -> dict:
 
 
 def _auto(**params):
-    """``auto``'s compressor on 4 fake ranks, on a clock that the fake steps move."""
-    auto = gcomp.create("auto", **params).compressor
+    """``auto``'s chooser on 4 fake ranks, on a clock that the fake steps move."""
+    auto = gcomp.create("auto", **params).chooser
     auto.workers, auto.now = 4, 0.0
     auto.clock = lambda: auto.now
     return auto

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gcomp.auto import BucketCost, choose, link_network, predict_s
-from gcomp.bench.collective_costs import Launched, Network
+from gcomp.link import Launched, Network
 
 MB = 1_000_000
 

@@ -189,7 +189,7 @@ def test_admm_hard_prune_mid_training_is_compacted_with_the_same_masks_on_every_
 
 def test_ternary_options_reach_the_inter_node_stage():
     method = gcomp.create("prunex", ternary=True, clip=2.5, error_feedback=True, seed=3)
-    packer = method.compressor.inner.compressor
+    packer = method.inner.compressor
     assert (packer.ternary, packer.clip, packer.error_feedback, packer.seed) == (True, 2.5, True, 3)
     assert method.params["clip"] == 2.5 and method.params["seed"] == 3 and method.params["error_feedback"]
     # the draws come from the seed given: each leader's stream as pactrain seeds it

@@ -101,11 +101,11 @@ def test_every_rank_draws_the_same_distinct_positions(n, ratio, dtype, seed):
             x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
             payloads.append((x, comp.compress(x, BucketInfo.single(x))))
         k = _k(n, ratio)
-        index = payloads[0][1].ctx[1]
+        index = payloads[0][1].ctx.index
         assert index.shape == (k,) and bool((index[1:] > index[:-1]).all())  # distinct, ascending
         assert 0 <= int(index.min()) and int(index.max()) < n
         for x, p in payloads:
-            assert torch.equal(p.ctx[1], index), f"step {step}: ranks drew different positions"
+            assert torch.equal(p.ctx.index, index), f"step {step}: ranks drew different positions"
             wire, = p.tensors
             assert wire.dtype == dtype and wire.shape == (k + 1,) and p.nbytes == (k + 1) * x.element_size()
             assert torch.equal(wire[:k], x[index]) and wire[k] == 0
@@ -114,9 +114,9 @@ def test_every_rank_draws_the_same_distinct_positions(n, ratio, dtype, seed):
 def test_positions_change_from_step_to_step_and_with_the_seed():
     x = torch.randn(1000)
     a, b = RandomKCompressor(0.05, 0), RandomKCompressor(0.05, 1)
-    first = a.compress(x, BucketInfo.single(x)).ctx[1]
-    second = a.compress(x, BucketInfo.single(x)).ctx[1]
-    other = b.compress(x, BucketInfo.single(x)).ctx[1]
+    first = a.compress(x, BucketInfo.single(x)).ctx.index
+    second = a.compress(x, BucketInfo.single(x)).ctx.index
+    other = b.compress(x, BucketInfo.single(x)).ctx.index
     assert not torch.equal(first.sort().values, second.sort().values)
     assert not torch.equal(first.sort().values, other.sort().values)
 
@@ -161,7 +161,7 @@ def test_error_feedback_conservation_is_exact(dtype):
 def test_a_nonfinite_entry_not_drawn_still_poisons_every_sent_entry(bad):
     comps = [RandomKCompressor(0.1, 0) for _ in range(2)]
     xs = [torch.randn(100), torch.randn(100)]
-    index = RandomKCompressor(0.1, 0).compress(xs[0], BucketInfo.single(xs[0])).ctx[1]
+    index = RandomKCompressor(0.1, 0).compress(xs[0], BucketInfo.single(xs[0])).ctx.index
     hidden = int(torch.ones(100, dtype=torch.bool).index_fill_(0, index, False).nonzero()[0])
     xs[1][hidden] = bad
     payloads = [c.compress(x, BucketInfo.single(x)) for c, x in zip(comps, xs)]
@@ -177,7 +177,7 @@ def test_state_dict_resumes_the_draws():
     state = a.state_dict()
     b = RandomKCompressor(0.1, 99)
     b.load_state_dict(state)
-    assert torch.equal(a.compress(x, BucketInfo.single(x)).ctx[1], b.compress(x, BucketInfo.single(x)).ctx[1])
+    assert torch.equal(a.compress(x, BucketInfo.single(x)).ctx.index, b.compress(x, BucketInfo.single(x)).ctx.index)
     with pytest.raises(ValueError, match="unexpected"):
         b.load_state_dict({**state, "other": 1})
 
@@ -271,7 +271,7 @@ def test_sent_positions_only_for_a_finite_bucket_on_the_host():
     comp = RandomKCompressor(0.1, 0)
     x = torch.randn(300)
     payload = comp.compress(x, BucketInfo.single(x))
-    assert torch.equal(comp.sent_positions(payload), payload.ctx[1])
+    assert torch.equal(comp.sent_positions(payload), payload.ctx.index)
     x[5] = float("inf")
     assert comp.sent_positions(comp.compress(x, BucketInfo.single(x))) is None
 
