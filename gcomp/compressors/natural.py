@@ -9,8 +9,9 @@ import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.compressors.bernoulli import sparse_nonzero
-from gcomp.compressors.quantise import RankGenerator, Scratch, SeededState, rank_and_world, work_dtype
-from gcomp.core import ALLGATHER, Compressor, Payload
+from gcomp.compressors.quantise import (RankGenerator, RankwiseDecoder, Scratch, SeededState, rank_and_world,
+                                        work_dtype)
+from gcomp.core import ALLGATHER, Payload
 from gcomp.memory import NoMemory
 from gcomp.method import Method
 from gcomp.params import Range
@@ -28,7 +29,7 @@ class _Ctx:
     tensor: torch.Tensor  # what was compressed: ``aggregate`` (the hook's decode) writes the result into it
 
 
-class NaturalCompressor(SeededState, Compressor):
+class NaturalCompressor(SeededState, RankwiseDecoder):
     """Natural compression by all-gather: 9 bits per entry in two byte-aligned planes, the biased fp32
     exponent of the rounded value (one uint8 per entry) and the signs (1-bit fields, ``bitpack``).
 
@@ -112,13 +113,6 @@ class NaturalCompressor(SeededState, Compressor):
         exponent.bitwise_and_(nan.view(torch.uint8).sub_(1))  # 0 where NaN (1 - 1), else & 255 (0 - 1)
         packed = bitpack.pack_flags_(signs) if bitpack.little_endian() else bitpack.pack(signs, 1)
         return Payload([exponent, packed], _Ctx(n, tensor.dtype, bucket.key, tensor))
-
-    def decompress(self, tensors, ctx: _Ctx):
-        out = torch.empty(ctx.n, dtype=ctx.dtype, device=tensors[0].device)
-        return self.decode([t.unsqueeze(0) for t in tensors], ctx, out)
-
-    def aggregate(self, gathered, ctx: _Ctx):
-        return self.decode(gathered, ctx, ctx.tensor.reshape(-1)).view_as(ctx.tensor)
 
     def decode(self, gathered, ctx: _Ctx, out: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of the decoded powers of two written into ``out``, rank by rank: the top 16 bits

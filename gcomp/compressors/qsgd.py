@@ -8,9 +8,10 @@ from typing import Annotated
 import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.compressors.quantise import (RankGenerator, Scratch, SeededState, add_scaled_, draw_units,
-                                        per_segment_, rank_and_world, segment_lengths, wire_scale, work_dtype)
-from gcomp.core import ALLGATHER, Compressor, Payload
+from gcomp.compressors.quantise import (RankGenerator, RankwiseDecoder, Scratch, SeededState, add_scaled_,
+                                        draw_units, per_segment_, rank_and_world, segment_lengths, wire_scale,
+                                        work_dtype)
+from gcomp.core import ALLGATHER, Payload
 from gcomp.memory import NoMemory
 from gcomp.method import Method
 from gcomp.params import Range
@@ -39,7 +40,7 @@ class _Ctx:
     tensor: torch.Tensor  # what was compressed: ``aggregate`` (the hook's decode) writes the result into it
 
 
-class QSGDCompressor(SeededState, Compressor):
+class QSGDCompressor(SeededState, RankwiseDecoder):
     """QSGD by all-gather: per parameter its fp32 L2 norm ``r``, per entry a level ``l`` in {0..s} with
     ``E[l] = s |g| / r`` (rounded down or up at random), sent with the sign as ``sign(g) l + s`` in
     ``field_bits(s)``-bit fields (``bitpack``: 8 bits per entry for the default s = 127, byte-aligned) plus 32
@@ -103,13 +104,6 @@ class QSGDCompressor(SeededState, Compressor):
         packed = fields.view(torch.int64) if fields.numel() == words * 8 and fields.dtype == torch.uint8 \
             else bitpack.pack(fields, self.bits)
         return Payload([norms, packed], _Ctx(n, tensor.dtype, lengths, bucket.key, tensor))
-
-    def decompress(self, tensors, ctx: _Ctx):
-        out = torch.empty(ctx.n, dtype=ctx.dtype, device=tensors[0].device)
-        return self.decode([t.unsqueeze(0) for t in tensors], ctx, out)
-
-    def aggregate(self, gathered, ctx: _Ctx):
-        return self.decode(gathered, ctx, ctx.tensor.reshape(-1)).view_as(ctx.tensor)
 
     def decode(self, gathered, ctx: _Ctx, out: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of ``(field - s) * r / s`` written into ``out``, rank by rank: each rank's fields

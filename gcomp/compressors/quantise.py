@@ -9,12 +9,13 @@ code may draw from too (data order, initialisation): two streams meant to be ind
 from __future__ import annotations
 
 import hashlib
+from abc import abstractmethod
 
 import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
-from gcomp.core import check_state
+from gcomp.core import Compressor, check_state
 
 _SEED_BITS = 63  # torch seeds are 64-bit; staying below the sign bit keeps every API happy
 
@@ -200,3 +201,20 @@ def add_scaled_(draws: torch.Tensor, values: torch.Tensor, factors: torch.Tensor
         if d.numel():
             op(d, v, f, out=d)
     return draws
+
+
+class RankwiseDecoder(Compressor):
+    """An all-gather codec that decodes the ranks' payloads one after the other into one sum (``decode``): one
+    payload alone decodes into a fresh tensor, the gathered payloads into the bucket itself. Its ``ctx`` has
+    ``n`` (entries), ``dtype`` and ``tensor`` (the bucket compressed)."""
+
+    def decompress(self, tensors, ctx):
+        out = torch.empty(ctx.n, dtype=ctx.dtype, device=tensors[0].device)
+        return self.decode([t.unsqueeze(0) for t in tensors], ctx, out)
+
+    def aggregate(self, gathered, ctx):
+        return self.decode(gathered, ctx, ctx.tensor.reshape(-1)).view_as(ctx.tensor)
+
+    @abstractmethod
+    def decode(self, gathered, ctx, out: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of the payloads ``gathered`` (each tensor stacked by rank) written into ``out``."""

@@ -9,9 +9,9 @@ import torch
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
 from gcomp.compressors import bernoulli
-from gcomp.compressors.quantise import (RankGenerator, Scratch, SeededState, per_segment_, rank_and_world,
-                                        segment_lengths, segment_scales, wire_scale, work_dtype)
-from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, Compressor, Payload
+from gcomp.compressors.quantise import (RankGenerator, RankwiseDecoder, Scratch, SeededState, per_segment_,
+                                        rank_and_world, segment_lengths, segment_scales, wire_scale, work_dtype)
+from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, Payload
 from gcomp.memory import NoMemory
 from gcomp.method import Method
 from gcomp.params import OneOf, Range
@@ -64,7 +64,7 @@ class _Ctx:
     values: torch.Tensor  # the entries in the work dtype (``tensor`` itself for fp32 and fp64 buckets)
 
 
-class TernGradCompressor(SeededState, Compressor):
+class TernGradCompressor(SeededState, RankwiseDecoder):
     """Ternary codes by all-gather: per parameter one fp32 scale ``s`` (max |g|, or with clipping
     ``min(max |g|, clip * std)``) and per entry ``t`` in {-1, 0, 1} drawn with ``P(t = sign g) = |g| / s``,
     sent as ``t + 1`` in 2-bit fields (``bitpack``, 32 per int64 word): 2 bits per entry plus 32 bits per
@@ -143,13 +143,6 @@ class TernGradCompressor(SeededState, Compressor):
         codes = self.draw_codes(values, scales, lengths, bucket.key)
         words = pack_codes_(codes) if bitpack.little_endian() else bitpack.pack(codes, 2)
         return Payload([scales, words], _Ctx(n, tensor.dtype, lengths, bucket.key, tensor, values))
-
-    def decompress(self, tensors, ctx: _Ctx):
-        out = torch.empty(ctx.n, dtype=ctx.dtype, device=tensors[0].device)
-        return self.decode([t.unsqueeze(0) for t in tensors], ctx, out)
-
-    def aggregate(self, gathered, ctx: _Ctx):
-        return self.decode(gathered, ctx, ctx.tensor.reshape(-1)).view_as(ctx.tensor)
 
     def decode(self, gathered, ctx: _Ctx, out: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of ``(code - 1) * scale`` written into ``out``, rank by rank: each rank's codes

@@ -6,7 +6,7 @@ import torch
 
 from gcomp.bench import fsdp as bench_fsdp
 from gcomp.collectives import bitpack
-from gcomp.fsdp.layout import ShardLayout
+from gcomp.sharding import ShardLayout
 from gcomp.fsdp.support import ShardSupport
 
 
