@@ -280,11 +280,3 @@ class Communicator(ABC):
             return compressor.aggregate(received, ctx)
         return received[0]
 
-
-def __getattr__(name: str):
-    if name == "Method":  # its home is gcomp.method since 0.2; ``gcomp.Method`` is the way to name it
-        warnings.warn("gcomp.core.Method moved to gcomp.method.Method (or gcomp.Method)", DeprecationWarning,
-                      stacklevel=2)
-        from gcomp.method import Method
-        return Method
-    raise AttributeError(f"module 'gcomp.core' has no attribute {name!r}")

@@ -13,10 +13,9 @@ __all__ = ["PruneResult", "StructuredADMM", "check_masks_agree", "kept_fraction"
            "named_masks", "positions_digest", "prune"]
 
 
+
 def __getattr__(name: str):
-    if name == "GroupSupport":  # packing's since 0.1: a pruned model's masks are made here, reduced there
-        import importlib
-        import warnings
-        warnings.warn("gcomp.pruning.GroupSupport is gcomp.packing.GroupSupport", DeprecationWarning, stacklevel=2)
-        return importlib.import_module("gcomp.packing").GroupSupport
+    if name == "GroupSupport":  # reducing a masked bucket is the floor above's: this floor cannot hand it on
+        raise AttributeError("gcomp.pruning.GroupSupport is gcomp.packing.GroupSupport (since 0.2: the pruning floor "
+                             "imports nothing from the floors above it)")
     raise AttributeError(f"module 'gcomp.pruning' has no attribute {name!r}")

@@ -9,7 +9,7 @@ registered (``gcomp.register(name, fsdp=...)``); ``gcomp.available(fsdp=True)`` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -20,9 +20,6 @@ from gcomp.collectives.counting import count_collectives, count_round, round_wor
 from gcomp.collectives.reduce_scatter import reduce_scatter_sum
 from gcomp.core import Compressor, Payload
 from gcomp.sharding.layout import ShardLayout
-
-if TYPE_CHECKING:
-    from gcomp.method import Method
 
 
 class RowStrategy(ABC):
@@ -37,8 +34,9 @@ class RowStrategy(ABC):
 
     variants: ClassVar[tuple[dict, ...]] = ()
 
-    def check(self, method: Method) -> None:
-        """Raise ValueError, at install, for a configuration of ``method`` this strategy cannot serve."""
+    def check(self, method) -> None:
+        """Raise ValueError, at install, for a configuration of ``method`` (the ``gcomp.Method`` being installed)
+        this strategy cannot serve."""
 
     @abstractmethod
     def compress(self, compressor: Compressor, tensor: torch.Tensor, layout: ShardLayout) -> Payload:
