@@ -280,3 +280,9 @@ class Communicator(ABC):
             return compressor.aggregate(received, ctx)
         return received[0]
 
+
+
+def __getattr__(name: str):
+    if name in ("Method", "MethodUnit"):  # one floor up since 0.2: the parts know nothing of what assembles them
+        raise AttributeError(f"gcomp.core.{name} is gcomp.{name} now (defined in the module one floor up)")
+    raise AttributeError(f"module 'gcomp.core' has no attribute {name!r}")
