@@ -15,7 +15,8 @@ from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompr
 from gcomp.compressors import scale_grid
 from gcomp.compressors.pactrain_ternary import FLAGS, TernaryPath
 from gcomp.compressors.quantise import RankGenerator, rank_and_world
-from gcomp.core import ALLREDUCE, MAX, SUM, Method, Payload, check_state
+from gcomp.core import ALLREDUCE, MAX, SUM, Payload, check_state
+from gcomp.method import Method
 from gcomp.memory import NoMemory
 from gcomp.params import Range
 from gcomp.packing.host_flags import host_flag
