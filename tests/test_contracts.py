@@ -122,15 +122,15 @@ def test_lossless_training_equals_plain_ddp(name, world, several, static):
 # --- contract 7: state_dict round trip ---------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _layout_independent(name: str) -> bool:
-    return codec_checks.layout_independent(functools.partial(gcomp.create, name))
+def _layout_dependence(name: str) -> str | None:
+    return codec_checks.layout_dependence(functools.partial(gcomp.create, name), name)
 
 
 @pytest.mark.parametrize("name, flavour", _params(METHODS, [(f, f) for f in RESUMES]))
 def test_state_dict_resume_is_bit_identical(name, flavour):
     """Train, checkpoint (torch.save, torch.load(weights_only=True)), resume on a fresh DDP model and hook: the
     parameters equal those of a run that never stopped, bit for bit (2 ranks; see train_jobs.RESUMES)."""
-    _check(process_checks.resume_skip, flavour, _check(_layout_independent, name), name)
+    _check(process_checks.resume_skip, flavour, _layout_dependence(name))
     ranks = run_ranks_once(("resume",), RESUME_WORLD, job_resume, METHODS)
     _check(process_checks.check_resume, ranks, name, flavour)
 

@@ -7,6 +7,9 @@ The factory test runs first on purpose: it starts the 1-rank pool before the plu
 """
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 import gcomp
@@ -89,3 +92,12 @@ def test_bad_arguments_are_refused():
         check_method("identity", world_sizes=(0,))
     with pytest.raises(ValueError, match="unknown contract"):
         check_method("identity", contracts=["speed"])
+
+
+def test_the_kit_imports_neither_pytest_nor_hypothesis():
+    """They are test extras: gcomp.testing must import without them (a lazy import inside a function is fine)."""
+    for path in Path(gcomp.testing.__file__).parent.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.split(".")[0] in ("pytest", "hypothesis")], f"{path.name}: {names}"

@@ -145,16 +145,10 @@ def _nonfinite(run: _Run) -> None:
 
 
 def _state_dict(run: _Run) -> None:
-    try:
-        independent, why = codec_checks.layout_independent(run.source.create), None
-    except Skip as skip:
-        independent, why = False, str(skip)
+    dependence = codec_checks.layout_dependence(run.source.create, run.source.label)
     for flavour in RESUMES:
         def check(f=flavour):
-            if why is not None and f not in process_checks.FIXED_LAYOUT:
-                raise Skip(f"whether it depends on where a parameter lies in the bucket is unknown ({why}): the "
-                           "fixed-layout cases carry the contract")
-            process_checks.resume_skip(f, independent, run.source.label)
+            process_checks.resume_skip(f, dependence)
             ranks = run.job(("resume",), RESUME_WORLD, job_resume, [run.source])
             process_checks.check_resume(ranks, run.source, f)
         run.check(7, f"ws{RESUME_WORLD} {flavour}", check)

@@ -2,8 +2,9 @@
 all-reduce codecs (contract 3), error-feedback conservation (contract 5), and whether the codec treats a
 parameter's entries alike wherever the bucket lays them (which contract 7 needs of a resumed plain-DDP run).
 
-They read ``method.compressor`` and ``method.memory``, so they apply to a ``gcomp.Method`` only; each raises
-``Skip`` with the reason where it does not apply, and AssertionError with a message where the codec fails.
+They read ``method.compressor`` and ``method.memory``, so they apply to a ``gcomp.Method`` only; the two checks
+raise ``Skip`` with the reason where they do not apply, and AssertionError with a message where the codec
+fails; ``layout_dependence`` returns its answer.
 ``make`` is a callable with no arguments returning a fresh, configured method (``gcomp.create`` of a name).
 """
 from __future__ import annotations
@@ -131,18 +132,24 @@ def check_conservation(method: Any, dtype: torch.dtype) -> None:
             raise AssertionError("a lossy error-feedback method kept no residual")
 
 
-def layout_independent(make: Callable[[], Any]) -> bool:
-    """Whether the method treats each parameter's entries alike wherever DDP places them in the bucket
-    (never when it says it ``depends_on_layout``; Skip when it is not a ``gcomp.Method``).
+def layout_dependence(make: Callable[[], Any], label: str) -> str | None:
+    """None when the method treats each parameter's entries alike wherever DDP places them in the bucket, else
+    why a resumed plain-DDP run cannot be held to the uninterrupted one (``label`` names the method).
 
-    Only then can a resumed plain-DDP run (whose fresh model starts again from DDP's initial bucket layout)
-    follow the uninterrupted run (on the rebuilt layout) bit for bit. Checked on the MLP's parameters laid out
-    in two orders, over a few error-feedback steps.
+    Only a layout-independent method lets a resumed plain-DDP run (whose fresh model starts again from DDP's
+    initial bucket layout) follow the uninterrupted run (on the rebuilt layout) bit for bit. A method that says
+    it ``depends_on_layout`` is not; others are checked on the MLP's parameters laid out in two orders, over a
+    few error-feedback steps, which needs a ``gcomp.Method`` (for another, the answer is unknown).
     """
+    dependent = (f"{label} depends on where a parameter lies in the bucket, and a fresh DDP model starts from its "
+                 "initial layout")
     first = make()
     if first.depends_on_layout:
-        return False
-    codec_of(first)
+        return dependent
+    try:
+        codec_of(first)
+    except Skip as skip:
+        return f"whether {label} depends on where a parameter lies in the bucket is unknown ({skip})"
     named = [(n, p.numel()) for n, p in mlp().named_parameters()]
     g = torch.Generator().manual_seed(5)
     grads = {n: torch.randn(k, generator=g) * 10.0 ** torch.randint(-3, 3, (), generator=g) for n, k in named}
@@ -160,4 +167,5 @@ def layout_independent(make: Callable[[], Any]) -> bool:
             decoded.append({n: d[o:o + k] for n, o, k in info.segments()})
         return decoded
 
-    return all(torch.equal(a[n], b[n]) for a, b in zip(run(named), run(named[::-1])) for n in a)
+    same = all(torch.equal(a[n], b[n]) for a, b in zip(run(named), run(named[::-1])) for n in a)
+    return None if same else dependent

@@ -95,11 +95,11 @@ def check_lossless_training(ranks: list[dict], several: bool, static: bool) -> N
             raise AssertionError(f"rank {rank}: the parameters differ from plain DDP's: {err}") from None
 
 
-def resume_skip(flavour: str, layout_independent: bool, method: str) -> None:
-    """Skip, for a resume that starts again from DDP's initial bucket layout, a method that depends on it."""
-    if flavour not in FIXED_LAYOUT and not layout_independent:
-        raise Skip(f"{method} depends on where a parameter lies in the bucket, and a fresh DDP model starts from "
-                   "its initial layout: the fixed-layout cases carry the contract")
+def resume_skip(flavour: str, layout_dependence: str | None) -> None:
+    """Skip a resume that starts again from DDP's initial bucket layout when the method may depend on the layout
+    (``layout_dependence``: why, from ``codec_checks.layout_dependence``; None when it does not)."""
+    if flavour not in FIXED_LAYOUT and layout_dependence is not None:
+        raise Skip(f"{layout_dependence}: the fixed-layout cases carry the contract")
 
 
 def check_resume(ranks: list[dict], method, flavour: str) -> None:
