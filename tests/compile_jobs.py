@@ -1,7 +1,7 @@
 """Rank job for tests/test_compile.py: the same DDP training eager and under ``torch.compile``, with gcomp's hook
 installed before or after compiling.
 
-One call runs every variant on the same ranks (the pattern of tests/contracts_jobs.py), so the test pays for one
+One call runs every variant on the same ranks (the pattern of gcomp/testing/reduce_jobs.py), so the test pays for one
 process group and one warm compile cache, not one per variant.
 """
 from __future__ import annotations

@@ -58,7 +58,7 @@ def job_conservation(allow, steps: int) -> dict:
     """Fake float64 buckets through the hook with ``auto`` switching methods: what came out, what went in (over
     every rank), and what the candidates still hold back (over every rank), per bucket."""
     import gcomp.auto.chooser as auto_chooser
-    from tests.contracts_jobs import FakeBucket, bucket_groups
+    from gcomp.testing.buckets import FakeBucket, bucket_groups
 
     auto_chooser.probe_network = AlternatingLink()
     rank = dist.get_rank()

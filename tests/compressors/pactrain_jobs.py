@@ -1,7 +1,7 @@
 """Rank jobs for tests/compressors/test_pactrain.py: pruned models trained under DDP, with and without pactrain.
 
 One job per world size runs many configurations (``CONFIGS``) in one call, the pattern of
-tests/contracts_jobs.py: each trains a pruned model under ``pactrain`` and, where the test compares against it,
+gcomp/testing/train_jobs.py: each trains a pruned model under ``pactrain`` and, where the test compares against it,
 the same model under plain DDP with no hook (a dense all-reduce of the masked gradients), with the same masks
 and the same mask edits at the same steps.
 """

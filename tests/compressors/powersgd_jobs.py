@@ -8,8 +8,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 import gcomp
 from gcomp.compressors.powersgd import PowerSGDCompressor
+from gcomp.testing.buckets import FakeBucket
 from tests import models
-from tests.contracts_jobs import FakeBucket
 
 
 def conv_mlp(seed: int = 0) -> nn.Module:

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import gcomp
-from tests.contracts_jobs import FakeBucket
+from gcomp.testing.buckets import FakeBucket
 from tests.models import mlp
 
 

@@ -17,7 +17,7 @@ from gcomp.collectives import counting
 from gcomp.bench.methods import parse_method
 from gcomp.collectives import AllreduceCommunicator
 from gcomp.compressors.identity import IdentityCompressor
-from tests.contracts_jobs import FakeBucket
+from gcomp.testing.buckets import FakeBucket
 from tests.distributed import run_ranks
 from tests.models import ddp, flat_params, mlp, train
 

@@ -18,7 +18,7 @@ import gcomp
 from gcomp.compressors.quantise import stream_seed
 from gcomp.pruning import StructuredADMM, mask_of
 from gcomp.packing.support import bucket_support
-from tests.contracts_jobs import FakeBucket
+from gcomp.testing.buckets import FakeBucket
 from tests.distributed import run_ranks
 from tests.models import ddp, flat_params
 

@@ -1,0 +1,101 @@
+"""What ``check_method`` hands back: the eight contracts by number and name, one ``Result`` per (contract,
+configuration), the ``Report`` holding them, ``ContractError`` listing every failure, and ``Skip``, which a
+check raises when it does not apply to the method (with the reason)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# number -> (key, what the contract asserts), in the order of docs/design.md's section on the contracts.
+CONTRACTS = {
+    1: ("reduce", "shape, dtype and device kept; every rank gets the same result, the mean"),
+    2: ("replicas", "replicas identical after DDP training; the statistics right"),
+    3: ("homomorphism", "all-reduce codecs: decoding the sum of payloads is the sum of decoded payloads"),
+    4: ("lossless", "lossless methods equal the dense mean and plain DDP"),
+    5: ("conservation", "error feedback: decoded payload plus new residual is gradient plus old residual"),
+    6: ("nonfinite", "a NaN or infinity on one rank surfaces on every rank"),
+    7: ("state_dict", "a checkpoint resumed on a fresh model and hook is bit-identical to a run never stopped"),
+    8: ("configuration", "bad configuration fails early and clearly"),
+}
+NUMBERS = {key: number for number, (key, _) in CONTRACTS.items()}
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+DETAIL_CHARS = 2000  # of one failure, in ContractError's message (the report keeps it whole)
+
+
+class Skip(Exception):
+    """Raised by a check that does not apply to the method; its message is the reason."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """One (contract, configuration) checked: ``status`` is ``"passed"``, ``"failed"`` or ``"skipped"``;
+    ``detail`` the failure's message, the reason for a skip, or a note on a pass (what was left out)."""
+
+    contract: str
+    config: str
+    status: str
+    detail: str = ""
+
+    @property
+    def number(self) -> int:
+        return NUMBERS[self.contract]
+
+    def line(self, limit: int | None = None) -> str:
+        detail = self.detail if limit is None or len(self.detail) <= limit else self.detail[:limit] + " [...]"
+        text = f"{self.status.upper():7} {self.number} {self.contract} [{self.config}]"
+        return f"{text}: {detail}" if detail else text
+
+
+@dataclass
+class Report:
+    """Every (contract, configuration) ``check_method`` checked for ``method``, in the order checked."""
+
+    method: str
+    results: list[Result] = field(default_factory=list)
+
+    def add(self, contract: str, config: str, status: str, detail: str = "") -> Result:
+        result = Result(contract, config, status, detail)
+        self.results.append(result)
+        return result
+
+    def _with(self, status: str) -> list[Result]:
+        return [r for r in self.results if r.status == status]
+
+    @property
+    def passed(self) -> list[Result]:
+        return self._with(PASSED)
+
+    @property
+    def failures(self) -> list[Result]:
+        return self._with(FAILED)
+
+    @property
+    def skipped(self) -> list[Result]:
+        return self._with(SKIPPED)
+
+    @property
+    def ok(self) -> bool:
+        """No failure (skips are not failures)."""
+        return not self.failures
+
+    def failed_contracts(self) -> list[str]:
+        """The keys of the contracts with a failure, in contract order."""
+        return sorted({r.contract for r in self.failures}, key=NUMBERS.__getitem__)
+
+    def summary(self) -> str:
+        return (f"{self.method}: {len(self.passed)} passed, {len(self.failures)} failed, {len(self.skipped)} "
+                f"skipped" + (f" (failed: {', '.join(self.failed_contracts())})" if self.failures else ""))
+
+    def __str__(self) -> str:
+        return "\n".join([self.summary(), *(r.line() for r in self.results)])
+
+
+class ContractError(AssertionError):
+    """A method broke at least one contract; the message lists every failure, ``report`` holds them all."""
+
+    def __init__(self, report: Report):
+        self.report = report
+        failures = report.failures
+        lines = [f"{report.method} broke {len(failures)} check(s) of contract(s) "
+                 f"{', '.join(f'{NUMBERS[c]} {c}' for c in report.failed_contracts())}:"]
+        lines += [r.line(DETAIL_CHARS) for r in failures]
+        super().__init__("\n".join(lines))
