@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 import gcomp
+from gcomp.composite import Composite
 from gcomp.testing.buckets import DTYPES, dtype_name
 from gcomp.testing.models import mlp
 from gcomp.testing.report import Skip
@@ -139,13 +140,20 @@ def layout_dependence(make: Callable[[], Any], label: str) -> str | None:
     Only a layout-independent method lets a resumed plain-DDP run (whose fresh model starts again from DDP's
     initial bucket layout) follow the uninterrupted run (on the rebuilt layout) bit for bit. A method that says
     it ``depends_on_layout`` is not; others are checked on the MLP's parameters laid out in two orders, over a
-    few error-feedback steps, which needs a ``gcomp.Method`` (for another, the answer is unknown).
+    few error-feedback steps; a composite (``gcomp.composite.Composite``: ``auto``, ``hierarchical``) is when each
+    of its parts is; another kind of method, neither, is unknown.
     """
     dependent = (f"{label} depends on where a parameter lies in the bucket, and a fresh DDP model starts from its "
                  "initial layout")
     first = make()
     if first.depends_on_layout:
         return dependent
+    if isinstance(first, Composite):  # it hands each bucket, whole, to a part
+        for i, part in enumerate(first.parts):
+            why = layout_dependence(lambda i=i: make().parts[i], f"{label} (its part {part.name})")
+            if why is not None:
+                return why
+        return None
     try:
         codec_of(first)
     except Skip as skip:
