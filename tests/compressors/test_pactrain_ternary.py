@@ -38,7 +38,6 @@ def test_the_codec_needs_no_host_a_standalone_one_runs_every_part_on_one_rank_un
     counted: list[str] = []
     codec = TernaryCodec(rounds=2, random=RankGenerator(11, "test"))
     codec.bind(1, counted.append)
-    assert set(vars(codec)) == {"clip", "error_feedback", "rounds", "random", "world_size", "count"}
     state = LayoutState()
     samples, total = 2000, torch.zeros(grad.numel(), dtype=torch.float64)
     for step in range(samples):
