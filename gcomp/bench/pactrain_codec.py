@@ -30,7 +30,6 @@ import torch
 from gcomp.bench.allocations import peak_extra_bytes
 from gcomp.bench.timing import median_times
 from gcomp.bucket import BucketInfo
-from gcomp.collectives import bitpack
 from gcomp.compressors.pactrain import PacTrainCompressor
 from gcomp.packing.support import SupportIndex, bucket_support
 from gcomp.packing.tracker import PACKED, BucketTrack, MaskTracker
@@ -79,25 +78,27 @@ def _no_change(track: BucketTrack) -> None:
     MaskTracker.receive_changed(track, torch.zeros(1))
 
 
-def _ternary_parts(compressor: PacTrainCompressor, info: BucketInfo, bucket, out, world: int) -> dict:
-    """The steps of the ternary path, each a callable running the compressor's own part (see the comment
-    above ``PacTrainCompressor.gather_values``); each reads what the one before left."""
-    track, bits, s = compressor.tracker.tracks[info.key], bitpack.lane_bits(world), {}
+def _ternary_parts(compressor: PacTrainCompressor, info: BucketInfo, bucket, out) -> dict:
+    """The steps of the ternary path, each a callable running the compressor's codec's own part (see
+    ``gcomp.compressors.pactrain_ternary``), on the track's support and state; each reads what the one before
+    left."""
+    codec, track, s = compressor.codec, compressor.tracker.tracks[info.key], {}
+    support, state = track.support, track.state
 
     def gather():
-        compressor.gather_values(track, bucket)
+        codec.gather_values(support, state, bucket)
 
     def scales():
-        s["scales"] = compressor.local_scales(track)
+        s["scales"] = codec.local_scales(support, state)
 
     def codes():
-        s["codes"] = compressor.draw_codes(track, s["scales"][:-2])
+        s["codes"] = codec.draw_codes(support, state, s["scales"][:-2])
 
     def pack():
-        s["lanes"] = bitpack.pack(s["codes"], bits)
+        s["lanes"] = codec.pack(s["codes"])
 
     def unpack():
-        s["decoded"] = compressor.decode_values(track, s["scales"][:-2], s["scales"][-1], s["lanes"])
+        s["decoded"] = codec.decode_values(support, state, s["scales"][:-2], s["scales"][-1], s["lanes"])
 
     def scatter():
         track.support.scatter(s["decoded"].to(out.dtype), out)
@@ -139,7 +140,7 @@ def measure(size_mb: float, ratio: float, dtype: torch.dtype, world: int, repeat
 
     wire_ternary = compressor.compress(bucket, info).nbytes
     _no_change(compressor.tracker.tracks[info.key])
-    parts = _ternary_parts(compressor, info, bucket, out, world)
+    parts = _ternary_parts(compressor, info, bucket, out)
     ops = {"copy": lambda: dst.copy_(bucket), "encode": lambda: support.gather(bucket, packed),
            "decode": lambda: support.scatter(packed, out), "naive": naive, "ternary": ternary}
     ops.update({f"t_{name}": fn for name, fn in parts.items()})

@@ -10,16 +10,13 @@ from typing import Annotated
 
 import torch
 
-from gcomp.collectives import bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
-from gcomp.compressors import scale_grid
-from gcomp.compressors.pactrain_ternary import FLAGS, TernaryPath
+from gcomp.compressors.pactrain_ternary import TernaryCodec
 from gcomp.compressors.quantise import RankGenerator, rank_and_world
 from gcomp.core import ALLREDUCE, MAX, SUM, Payload, check_state
 from gcomp.method import Method
 from gcomp.memory import NoMemory
 from gcomp.params import Range
-from gcomp.packing.host_flags import host_flag
 from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker
 from gcomp.registry import register
 
@@ -36,7 +33,7 @@ class _Ctx:
     scale: torch.Tensor | None = None  # and that scale
 
 
-class PacTrainCompressor(TernaryPath, ChainedCompressor):
+class PacTrainCompressor(ChainedCompressor):
     """Mask-packed all-reduce of a pruned model's buckets (lossless), optionally ternarised.
 
     On the wire, per bucket and step, by the mask tracker's state (``gcomp.packing.tracker``), in one
@@ -61,6 +58,10 @@ class PacTrainCompressor(TernaryPath, ChainedCompressor):
 
     ``granularity="groups"`` (``prunex``'s inter-node stage) packs whole filters and channels
     (``gcomp.packing.groups``) instead of single entries: no per-entry index, even in memory.
+
+    Its parts: ``tracker`` (``MaskTracker``: the mode of each bucket and step, and per layout a ``BucketTrack``
+    whose ``state`` holds what the method keeps on the frozen support) and ``codec`` (``TernaryCodec``, in
+    ``gcomp.compressors.pactrain_ternary``: the ternary path, given the support and that state at every call).
     """
 
     collective = ALLREDUCE
@@ -74,13 +75,46 @@ class PacTrainCompressor(TernaryPath, ChainedCompressor):
         if rounds not in (1, 2):
             raise ValueError(f"rounds must be 1 or 2, got {rounds!r}")
         self.tracker = MaskTracker(stable_steps, dense_above, granularity, check_every)
-        self.ternary, self.clip, self.error_feedback, self.seed = ternary, clip, error_feedback, seed
+        self.codec = TernaryCodec(clip, error_feedback, rounds, RankGenerator(seed, "pactrain"))
+        self.ternary = ternary
         self.holds_gradient = ternary and error_feedback  # residuals of the packed entries (no flush yet)
-        self.rounds = rounds
         self.lossless = not ternary
-        self.world_size, self.rank = 1, 0
-        self.random = RankGenerator(seed, "pactrain")
+        self.rank = 0
         self.stats: dict = {}
+        self.codec.bind(1, self.count)
+
+    # the ternary options are the codec's, read here as the method's parameters
+
+    @property
+    def clip(self) -> float:
+        return self.codec.clip
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.codec.error_feedback
+
+    @property
+    def rounds(self) -> int:
+        return self.codec.rounds
+
+    @property
+    def seed(self) -> int:
+        return self.codec.random.seed
+
+    @property
+    def random(self) -> RankGenerator:
+        """The rank's stream of ternary draws (the codec's; saved as ``generator``)."""
+        return self.codec.random
+
+    @property
+    def world_size(self) -> int:
+        return self.codec.world_size
+
+    @world_size.setter
+    def world_size(self, world: int) -> None:
+        """The lanes' width for ``world`` ranks (``bind`` sets it from the group; a test or a benchmark may set
+        it to simulate ranks in one process)."""
+        self.codec.bind(world, self.count)
 
     def bind(self, model, group, stats) -> None:
         self.tracker.bind(model, stats)
@@ -97,7 +131,8 @@ class PacTrainCompressor(TernaryPath, ChainedCompressor):
     def receive_install_flags(self, flags: torch.Tensor) -> None:
         self.tracker.receive_install_flags(flags)
 
-    def _count(self, key: str) -> None:
+    def count(self, key: str) -> None:
+        """Add one to the statistic ``key`` when the hook state keeps it (``stat_keys``)."""
         if key in self.stats:
             self.stats[key] += 1
 
@@ -110,28 +145,30 @@ class PacTrainCompressor(TernaryPath, ChainedCompressor):
                            _Ctx(TRACKING, track, tensor), ops=(SUM, MAX))
         if track.mode == DENSE:
             return Payload([tensor], _Ctx(DENSE, track, tensor))
-        self._count("packed_buckets")
-        support = track.support
+        self.count("packed_buckets")
+        support, state, codec = track.support, track.state, self.codec
         if not self.ternary:
-            packed = track.buffers.get("packed")
-            if packed is None:
-                packed = track.buffers["packed"] = tensor.new_empty(support.kept + 1)
-            support.gather(tensor, packed)
-            packed[-1] = float(changed_here)
-            return Payload([packed], _Ctx(PACKED, track, tensor))
-        self.gather_values(track, tensor)
-        scales = self.local_scales(track)
-        scales[-2] = float(changed_here)
-        carried = self.carried_scale(track)
+            if state.packed is None:
+                state.packed = tensor.new_empty(support.kept + 1)
+            support.gather(tensor, state.packed)
+            state.packed[-1] = float(changed_here)
+            return Payload([state.packed], _Ctx(PACKED, track, tensor))
+        codec.gather_values(support, state, tensor)
+        scales = codec.local_scales(support, state, changed_here)
+        carried = codec.carried_scale(state.carry)
         if carried is None:
-            bits = bitpack.lane_bits(self.world_size)
-            lanes = torch.empty(bitpack.packed_words(support.kept, bits), dtype=torch.int64, device=tensor.device)
+            lanes = torch.empty(codec.words(support.kept), dtype=torch.int64, device=tensor.device)
             return Payload([scales, lanes], _Ctx(TERNARY, track, tensor), ops=(MAX, SUM))
-        self._count("one_round_buckets")
-        return Payload([self.one_round_lanes(track, scales, *carried)], _Ctx(ONE_ROUND, track, tensor, *carried))
+        return Payload([codec.one_round_lanes(support, state, scales, *carried)],
+                       _Ctx(ONE_ROUND, track, tensor, *carried))
 
     def chained(self, payload: Payload) -> bool:
         return payload.ctx.mode == TERNARY
+
+    def second_round(self, payload: Payload) -> None:
+        """Ternarise: fill the lanes from the shared scales (``payload.tensors[0]`` after its MAX all-reduce)."""
+        track = payload.ctx.track
+        payload.tensors[1] = self.codec.code_words(track.support, track.state, payload.tensors[0][:-2])
 
     # --- decode ---------------------------------------------------------------------------------------------
 
@@ -145,23 +182,16 @@ class PacTrainCompressor(TernaryPath, ChainedCompressor):
         if ctx.mode == PACKED:
             MaskTracker.receive_changed(track, tensors[0][-1:])
             return support.scatter(tensors[0], ctx.bucket)
+        state, codec = track.state, self.codec
         if ctx.mode == TERNARY:
             scales, lanes = tensors
-            MaskTracker.receive_changed(track, scales[-2:-1])
-            nonfinite, shared = scales[-1], scales[:-2]
-            # the next step's scale, if it goes in one round: the exact shared max, on the grid
-            self.carry_scale(track, scale_grid.grid_exponent(shared))
+            shared, nonfinite, changed = codec.receive_scales(state.carry, scales)
         else:
-            lanes, = tensors
-            MaskTracker.receive_changed(track, lanes[-2:-1])
-            words = bitpack.packed_words(support.kept, bitpack.lane_bits(self.world_size))
-            nonfinite, shared = lanes[-3], ctx.scale
-            self.carry_scale(track, scale_grid.next_exponent(lanes[words:-FLAGS], ctx.exponents, self.world_size))
-            track.buffers["resync"] = host_flag(lanes[-1:] > 0)
-            lanes = lanes[:words]
-        values, dtype = self.decode_values(track, shared, nonfinite, lanes), ctx.bucket.dtype
-        if dtype != torch.float32:
-            values = self._narrow(track.buffers["draws"], dtype, support.kept).copy_(values)
+            shared = ctx.scale
+            lanes, nonfinite, changed = codec.receive_lanes(state.carry, tensors[0], codec.words(support.kept),
+                                                            ctx.exponents)
+        MaskTracker.receive_changed(track, changed)
+        values = codec.decode_values(support, state, shared, nonfinite, lanes, ctx.bucket.dtype)
         return support.scatter(values, ctx.bucket)
 
     # --- checkpoint -------------------------------------------------------------------------------------------

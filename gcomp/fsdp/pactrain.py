@@ -5,30 +5,13 @@ import time
 
 import torch
 
-from gcomp.bucket import BucketInfo
 from gcomp.collectives.allreduce import all_reduce_all
 from gcomp.collectives.reduce_scatter import reduce_scatter_sum
-from gcomp.compressors import scale_grid
-from gcomp.compressors.pactrain_ternary import FLAGS
+from gcomp.compressors.pactrain_ternary import split_scales
 from gcomp.core import MAX, Payload
 from gcomp.fsdp.codec import ShardedCodec
-from gcomp.fsdp.layout import ShardLayout
 from gcomp.fsdp.support import ShardSupport
-from gcomp.packing.host_flags import host_flag
-from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker
-
-
-class ShardMaskTracker(MaskTracker):
-    """PacTrain's mask tracker (``gcomp.packing.tracker``: when a group's masks are stable and agreed on) whose
-    supports are FSDP's rows (``ShardSupport``) instead of a DDP bucket's."""
-
-    def __init__(self, stable_steps: int, dense_above: float, check_every: int):
-        super().__init__(stable_steps, dense_above, ENTRIES, check_every)
-        self.layouts: dict[str, ShardLayout] = {}  # ``ShardLayout.params.key`` -> layout
-
-    def _build(self, info: BucketInfo, device, masks: list | None = None) -> ShardSupport:
-        masks = self._masks(info) if masks is None else masks
-        return ShardSupport(self.layouts[info.key], masks, device)
+from gcomp.packing.tracker import DENSE, ENTRIES, TRACKING, BucketTrack, MaskTracker
 
 
 class PacTrainCodec(ShardedCodec):
@@ -43,8 +26,12 @@ class PacTrainCodec(ShardedCodec):
       on two ranks (the division comes after the sum, as FSDP's), and zero off it, where every rank's gradient is
       zero anyway (``weight_orig * weight_mask``).
 
-    ``ternary=True`` (packed steps; tracking and dense as above), DDP's ternary codec
-    (``gcomp.compressors.pactrain_ternary``) on the kept entries of the whole input, one shared scale per
+    The mask tracker is the compressor's (``compressor.tracker``, saved with its ``state_dict``), deciding on this
+    layout's ``ShardSupport`` (``decide``'s ``build``); what the method keeps on a frozen support is the track's
+    ``state`` (``gcomp.packing.state.LayoutState``), as under DDP.
+
+    ``ternary=True`` (packed steps; tracking and dense as above), DDP's ternary codec (``compressor.codec``, a
+    ``gcomp.compressors.pactrain_ternary.TernaryCodec``) on the kept entries of the whole input, one shared scale per
     parameter as under DDP, each destination shard's codes in its own row of integer lanes
     (``support.TernaryRows``): b = ``lane_bits(world)``-bit fields, ``W = packed_words(K, b)`` int64 words per row
     (K as above), so that the SUM reduce-scatter cuts the lanes between rows and each rank decodes its own row:
@@ -69,13 +56,11 @@ class PacTrainCodec(ShardedCodec):
     def __init__(self, method):
         super().__init__(method)
         compressor = method.compressor
-        old = compressor.tracker
-        if old.granularity != ENTRIES:
+        if compressor.tracker.granularity != ENTRIES:
             raise ValueError("pactrain under FSDP2 packs single entries: granularity='groups' is not supported with "
                              "fully_shard")
         self.prescale = bool(compressor.ternary)
-        # the compressor keeps it, so its state_dict and load_state_dict save and restore this tracker
-        self.tracker = compressor.tracker = ShardMaskTracker(old.stable_steps, old.dense_above, old.check_every)
+        self.tracker = compressor.tracker  # the compressor's: its state_dict and load_state_dict save and restore it
 
     def bind(self, model, group, stats) -> None:
         self.method.compressor.bind(model, group, stats)  # the tracker, the rank's draws, the counters
@@ -89,9 +74,8 @@ class PacTrainCodec(ShardedCodec):
 
     def reduce_scatter(self, output, input, layout, group, stats) -> None:
         start = time.perf_counter()
-        info = layout.params
-        self.tracker.layouts[info.key] = layout
-        track, changed_here = self.tracker.decide(info, input.device)
+        track, changed_here = self.tracker.decide(layout.params, input.device,
+                                                  lambda masks: ShardSupport(layout, masks, input.device))
         if track.mode in (TRACKING, DENSE):
             flags = MaskTracker.flags(track, changed_here, input.device) if track.mode == TRACKING else None
             stats["encode_s"] += time.perf_counter() - start
@@ -107,9 +91,9 @@ class PacTrainCodec(ShardedCodec):
             self._ternary(output, input, track, changed_here, group, stats, start)
             return
         support: ShardSupport = track.support
-        wire = track.buffers.get("wire")
+        wire = track.state.packed
         if wire is None:
-            wire = track.buffers["wire"] = input.new_empty(layout.world, support.width + 1)
+            wire = track.state.packed = input.new_empty(layout.world, support.width + 1)
         support.pack(input, wire)
         wire[:, -1] = float(changed_here)
         stats["encode_s"] += time.perf_counter() - start
@@ -122,52 +106,41 @@ class PacTrainCodec(ShardedCodec):
         stats["decode_s"] += time.perf_counter() - start
 
     def _ternary(self, output, input, track: BucketTrack, changed_here: bool, group, stats, start: float) -> None:
-        """A packed step with ``ternary=True`` (the class docstring): DDP's ternary codec, rows per shard."""
-        compressor, support = self.method.compressor, track.support
+        """A packed step with ``ternary=True`` (the class docstring): DDP's ternary codec, rows per shard. The codec
+        reads the support's ``TernaryRows`` faces: ``values`` (the whole input's kept entries, to encode) and
+        ``own`` (this rank's row, to decode); its codes go to their rows (``TernaryRows.rows``) before packing."""
+        codec, support, state = self.method.compressor.codec, track.support, track.state
         rows = support.ternary
-        # TernaryPath reads the support and the buffers of a track: the values' face of this support, this
-        # track's buffers (where the residual and the carried scale live, saved with the tracker)
-        values = BucketTrack(mode=PACKED, support=rows.values, buffers=track.buffers)
-        compressor.gather_values(values, input)
-        scales = compressor.local_scales(values)
-        scales[-2] = float(changed_here)
-        carried = compressor.carried_scale(values)
-        fields = track.buffers.get("rows")
-        if fields is None:  # codes laid out per row; the padding fields stay zero
-            fields = track.buffers["rows"] = torch.zeros(rows.world, rows.fields, dtype=torch.uint8,
-                                                         device=input.device)
+        codec.gather_values(rows.values, state, input)
+        scales = codec.local_scales(rows.values, state, changed_here)
+        carried = codec.carried_scale(state.carry)
+        if state.ternary.rows is None:  # codes laid out per row; the padding fields stay zero
+            state.ternary.rows = torch.zeros(rows.world, rows.fields, dtype=torch.uint8, device=input.device)
+        fields = state.ternary.rows
+
+        def lay_out(codes: torch.Tensor) -> torch.Tensor:
+            return rows.rows(codes, fields)
+
         if carried is None:  # two rounds: the exact shared scale first
             stats["encode_s"] += time.perf_counter() - start
             all_reduce_all(Payload([scales], ops=(MAX,)), group, stats=stats).wait()
             stats["bytes_sent"] += scales.numel() * scales.element_size()
             start = time.perf_counter()
-            shared, nonfinite, changed = scales[:-2], scales[-1], scales[-2:-1]
-            wire = rows.rows(compressor.draw_codes(values, shared), fields)
-        else:
-            compressor._count("one_round_buckets")
+            wire = codec.code_words(rows.values, state, split_scales(scales)[0], lay_out)
+        else:  # the lanes' counting words and flags alike in every row: every rank receives their sum
             exponents, shared = carried
-            codes, hist, resync = compressor.one_round_codes(values, scales, exponents, shared)
-            wire = torch.empty(rows.world, rows.words + hist.numel() + FLAGS, dtype=torch.int64,
-                               device=input.device)
-            wire[:, :rows.words] = rows.rows(codes, fields)
-            wire[:, rows.words:-FLAGS] = hist  # alike in every row: every rank receives the sum
-            wire[:, -3] = scales[-1].to(torch.int64)
-            wire[:, -2] = scales[-2].to(torch.int64)
-            wire[:, -1] = resync
+            wire = codec.one_round_lanes(rows.values, state, scales, exponents, shared, lay_out)
         stats["encode_s"] += time.perf_counter() - start
         row = wire.new_empty(wire.shape[1])
         reduce_scatter_sum(row, wire.view(-1), group, stats)
         stats["bytes_sent"] += wire.numel() * wire.element_size()
         start = time.perf_counter()
         if carried is None:
-            compressor.carry_scale(values, scale_grid.grid_exponent(shared))
+            shared, nonfinite, changed = codec.receive_scales(state.carry, scales)
+            lanes = row
         else:
-            nonfinite, changed = row[-3], row[-2:-1]
-            compressor.carry_scale(values, scale_grid.next_exponent(row[rows.words:-FLAGS], exponents,
-                                                                     rows.world))
-            track.buffers["resync"] = host_flag(row[-1:] > 0)
+            lanes, nonfinite, changed = codec.receive_lanes(state.carry, row, rows.words, exponents)
         MaskTracker.receive_changed(track, changed)
-        own = BucketTrack(mode=PACKED, support=rows.own, buffers=track.buffers)
-        decoded = compressor.decode_values(own, shared, nonfinite, row[:rows.words])
+        decoded = codec.decode_values(rows.own, state, shared, nonfinite, lanes)
         support.unpack_own(decoded if decoded.dtype == output.dtype else decoded.to(output.dtype), output)
         stats["decode_s"] += time.perf_counter() - start

@@ -66,7 +66,7 @@ class ShardSupport(Support):
 
 
 class _Values(Support):
-    """The face ``TernaryPath`` (``gcomp.compressors.pactrain_ternary``) reads of a support: ``kept`` values in
+    """The face ``TernaryCodec`` (``gcomp.compressors.pactrain_ternary``) reads of a support: ``kept`` values in
     per-parameter ``segments`` (one shared scale each), gathered from the input by ``index``."""
 
     def __init__(self, kept: int, segments: tuple[int, ...], index: torch.Tensor | None, digest: torch.Tensor):

@@ -19,7 +19,9 @@ so ranks never disagree on which collective comes next:
   offers no candidate; the others see a candidate count of 0 beside theirs, count it as a change, and every
   rank tracks as above.
 - ``packed``: only the support goes, densely packed, with one extra entry: how many ranks saw their masks
-  change (SUM; in ``pactrain``'s ternary path a flag slot of the MAX-reduced scales: whether any did). Any change sends every rank back to ``tracking`` at the next step (a warning, ``unfreezes``).
+  change (SUM; in ``pactrain``'s ternary path a flag slot of the MAX-reduced scales: whether any did). Any
+  change sends every rank back to ``tracking`` at the next step (a warning, ``unfreezes``), and drops the support
+  with what the method kept on it (``BucketTrack.state``, ``gcomp.packing.state``).
 - ``dense``: the frozen support keeps more than ``dense_above`` of the bucket (say, a bucket of biases and
   norms): packing would save little, so it stays a plain all-reduce.
 
@@ -32,38 +34,27 @@ is misaligned; the new masks take effect one step later.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
 from gcomp.bucket import BucketInfo
-from gcomp.core import check_state
+from gcomp.packing.checkpoint import carry_of, check_track, track_entry
 from gcomp.packing.groups import GroupSupport
 from gcomp.pruning.masks import mask_of, masks_digest, named_masks, parameter_of
 from gcomp.packing.support import Support, SupportIndex, bucket_support
 from gcomp.packing.host_flags import host_flag, read_host_flag
+from gcomp.packing.state import DENSE, PACKED, TRACKING, BucketTrack
 from gcomp.packing.sync_bumps import SyncBumps
 
-TRACKING, PACKED, DENSE = "tracking", "packed", "dense"
 ENTRIES, GROUPS = "entries", "groups"  # what a support is made of: kept entries, or whole filters and channels
 FLAGS = 5  # changed, digest hash, digest count, -hash, -count: MAX of both signs gives max and min
+# builds a layout's support from its masks (one per name of the bucket, None where unmasked): ``decide``'s
+# ``build``, in place of the tracker's own (a DDP bucket's ``SupportIndex`` or ``GroupSupport``)
+Builder = Callable[[list], Support]
 
-
-@dataclass
-class BucketTrack:
-    """The tracker's state for one bucket layout."""
-
-    mode: str = TRACKING
-    stable: int = 0  # consecutive steps in which no rank's masks changed
-    signature: tuple | None = None
-    pending: tuple | None = None  # ([any rank changed, digests agree] on the host, its copy's CUDA event)
-    candidate: Support | None = None
-    support: Support | None = None
-    buffers: dict = field(default_factory=dict)  # the method's per-bucket buffers, dropped with the support
-    mask_digest: torch.Tensor | None = None  # a packed bucket's masks as they were when it froze
-    unchecked: int = 0  # packed steps since the masks were last compared with ``mask_digest``
-    fresh: bool = False  # made for a new layout, not restored: its first step may send a candidate at once
+__all__ = ["BucketTrack", "Builder", "DENSE", "ENTRIES", "FLAGS", "GROUPS", "MaskTracker", "PACKED", "TRACKING"]
 
 
 class MaskTracker:
@@ -127,9 +118,13 @@ class MaskTracker:
     def _signature(self, info: BucketInfo) -> tuple:
         return tuple(None if m is None else self.sync_bumps.version_of(m) for m in self._masks(info))
 
-    def _build(self, info: BucketInfo, device, masks: list | None = None) -> Support:
+    def _build(self, info: BucketInfo, device, masks: list | None = None, build: Builder | None = None) -> Support:
+        """The layout's support from ``masks`` (default: the model's, now), by ``build`` when given."""
+        masks = self._masks(info) if masks is None else masks
+        if build is not None:
+            return build(masks)
         params = []
-        for name, numel, mask in zip(info.names, info.numels, self._masks(info) if masks is None else masks):
+        for name, numel, mask in zip(info.names, info.numels, masks):
             if mask is None or self.model is None:
                 params.append((torch.Size([numel]), (1,), None))
             else:
@@ -139,11 +134,15 @@ class MaskTracker:
             return GroupSupport(params, info.numel, device)
         return SupportIndex(bucket_support(params, info.numel, device), info.numels)
 
-    def decide(self, info: BucketInfo, device) -> tuple[BucketTrack, bool]:
-        """This step's state for the bucket, and whether this rank's masks changed since the last step."""
+    def decide(self, info: BucketInfo, device, build: Builder | None = None) -> tuple[BucketTrack, bool]:
+        """This step's state for the bucket, and whether this rank's masks changed since the last step.
+
+        ``build``: makes the layout's support from its masks (one per name of ``info``, None where unmasked), in
+        place of the tracker's own (FSDP2's codec packs rows per destination shard); used for every support of
+        the layout, the one a checkpoint is compared with included. Pass the same one at every step."""
         track = self.tracks.get(info.key)
         if track is None:
-            track = self.tracks[info.key] = self._restore(info, device)
+            track = self.tracks[info.key] = self._restore(info, device, build)
         signature = self._signature(info)
         changed_here = track.signature is not None and signature != track.signature
         track.signature = signature
@@ -151,11 +150,11 @@ class MaskTracker:
             track.fresh = False
             if self._agreed is not None and any(n in self._agreed for n in info.names):
                 agreed = [self._agreed.pop(n, None) for n in info.names]
-                self._freeze(track, self._build(info, device, agreed), info)
+                self._freeze(track, self._build(info, device, agreed, build), info)
                 return track, signature != tuple(self._installed.get(n) for n in info.names)
             if any(s is not None for s in signature):  # a bucket of pruned parameters
                 if signature == tuple(self._installed.get(n) for n in info.names):
-                    track.candidate = self._build(info, device)  # its digest goes with this step's flags
+                    track.candidate = self._build(info, device, build=build)  # its digest goes with the flags
                     return track, changed_here
         if track.mode == DENSE:
             return track, changed_here
@@ -170,7 +169,7 @@ class MaskTracker:
             self._count("unfreezes")
             warnings.warn(f"{self.label}: the masks of bucket {info.index} changed on some rank; sending it dense and "
                           "tracking its support again", RuntimeWarning, stacklevel=2)
-            track.mode, track.stable, track.support, track.buffers = TRACKING, 0, None, {}
+            track.unfreeze()
         elif track.mode == TRACKING:
             if track.candidate is not None:
                 candidate, track.candidate = track.candidate, None
@@ -188,7 +187,7 @@ class MaskTracker:
             else:
                 track.stable += 1
             if track.stable >= self.stable_steps:
-                track.candidate = self._build(info, device)
+                track.candidate = self._build(info, device, build=build)
         return track, changed_here
 
     def _edited_in_place(self, info: BucketInfo, track: BucketTrack) -> bool:
@@ -207,7 +206,7 @@ class MaskTracker:
     def _mask_digest(self, info: BucketInfo) -> torch.Tensor:
         return masks_digest([m for m in self._masks(info) if m is not None]).cpu()
 
-    def _restore(self, info: BucketInfo, device) -> BucketTrack:
+    def _restore(self, info: BucketInfo, device, build: Builder | None = None) -> BucketTrack:
         """A new track, or the checkpointed one when the support it froze (or had out as a candidate),
         rebuilt from the masks, is still the same.
 
@@ -217,7 +216,7 @@ class MaskTracker:
         saved = self._restored.pop(info.key, None)
         if saved is None:
             return BucketTrack(fresh=True)
-        support = self._build(info, device) if "digest" in saved else None
+        support = self._build(info, device, build=build) if "digest" in saved else None
         if support is not None and not torch.equal(support.digest.cpu(), saved["digest"].cpu()):
             return BucketTrack()
         track = BucketTrack(mode=saved["mode"], stable=saved["stable"],
@@ -227,37 +226,21 @@ class MaskTracker:
         else:
             track.support = support
             track.mask_digest = self._mask_digest(info)
-        for key in ("residual", "exponents"):  # what a method kept per support: see state_dict
-            if key in saved:
-                track.buffers[key] = saved[key].to(device)
+        track.state.carry = carry_of(saved, device)  # what the method carried on this support
         return track
 
     def state_dict(self) -> dict:
         """Per bucket layout: mode, stable count, the flags received last, the digest of the frozen (or
-        candidate) support, and what the method keeps with the support: the residual (error feedback, or a
-        carried excess) and the exponents of the ternary scale carried to the next step (none when a resync is
-        pending: the next step takes the exact scale then)."""
-        out = {}
-        for key, t in self.tracks.items():
-            entry = {"mode": t.mode, "stable": t.stable}
-            if t.pending is not None:
-                entry["pending"] = read_host_flag(t.pending).clone()
-            support = t.support if t.support is not None else t.candidate
-            if support is not None:
-                entry["digest"] = support.digest.cpu()
-            if "residual" in t.buffers:
-                entry["residual"] = t.buffers["residual"]
-            resync = t.buffers.get("resync") is not None and bool(read_host_flag(t.buffers["resync"]).any())
-            if t.buffers.get("exponents") is not None and not resync:
-                entry["exponents"] = t.buffers["exponents"].cpu()
-            out[key] = entry
-        return out
+        candidate) support, and what the method carries with the support (``Carry``): the residual (error
+        feedback, or a carried excess) and the exponents of the ternary scale carried to the next step (none
+        when a resync is pending: the next step takes the exact scale then). ``gcomp.packing.checkpoint``."""
+        return {key: track_entry(t) for key, t in self.tracks.items()}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict):
             raise ValueError(f"{self.label}: the tracker state must be a dict, got {type(state).__name__}")
         for key, entry in state.items():
-            _check_track(f"{self.label}: tracker entry {key!r}", entry)
+            check_track(f"{self.label}: tracker entry {key!r}", entry)
         self.tracks, self._restored = {}, dict(state)
 
     def _freeze(self, track: BucketTrack, support: Support, info: BucketInfo) -> None:
@@ -300,24 +283,3 @@ class MaskTracker:
     def receive_changed(track: BucketTrack, changed: torch.Tensor) -> None:
         """Keep a packed step's count of ranks whose masks changed (digests agreed when it froze)."""
         track.pending = host_flag(torch.stack([changed.reshape(()) > 0, torch.ones_like(changed.reshape(()) > 0)]))
-
-
-def _check_track(where: str, entry) -> None:
-    """A checkpointed track, checked before it is kept: a bad one must fail at load, not at a later step."""
-    check_state(where, entry, {"mode": str, "stable": int},
-                {"pending": torch.Tensor, "digest": torch.Tensor, "residual": torch.Tensor,
-                 "exponents": torch.Tensor})
-    if entry["mode"] not in (TRACKING, PACKED, DENSE):
-        raise ValueError(f"{where}: 'mode' must be one of {TRACKING!r}, {PACKED!r}, {DENSE!r}; got {entry['mode']!r}")
-    if entry["stable"] < 0:
-        raise ValueError(f"{where}: 'stable' must be at least 0, got {entry['stable']}")
-    if entry["mode"] != TRACKING and "digest" not in entry:
-        raise ValueError(f"{where}: a {entry['mode']} track needs the 'digest' of its support")
-    for key, shape, dtype in (("digest", (2,), torch.int64), ("pending", (2,), torch.bool)):
-        if key in entry and (tuple(entry[key].shape) != shape or entry[key].dtype != dtype):
-            raise ValueError(f"{where}: {key!r} must be a {dtype} tensor of shape {shape}")
-    if "exponents" in entry and (entry["exponents"].dim() != 1 or entry["exponents"].dtype != torch.int64):
-        raise ValueError(f"{where}: 'exponents' must be a 1-D torch.int64 tensor")
-    if "residual" in entry and not bool(torch.isfinite(entry["residual"]).all()):
-        raise ValueError(f"{where}: 'residual' holds non-finite values")
-

@@ -89,3 +89,19 @@ def test_pactrain_codec_divides_first_with_ternary_and_refuses_group_granularity
     assert not PacTrainCodec(SimpleNamespace(compressor=PacTrainCompressor())).prescale
     with pytest.raises(ValueError, match="granularity='groups' is not supported"):
         PacTrainCodec(SimpleNamespace(compressor=PacTrainCompressor(granularity="groups")))
+
+
+def test_pactrain_codec_decides_on_the_compressors_own_tracker():
+    """The codec swaps no tracker in: it decides on the compressor's own ``MaskTracker`` (which its ``state_dict``
+    saves), building each layout's ``ShardSupport`` through ``decide``'s builder."""
+    from types import SimpleNamespace
+
+    from gcomp.compressors.pactrain import PacTrainCompressor
+    from gcomp.fsdp.pactrain import PacTrainCodec
+    from gcomp.packing.tracker import MaskTracker
+
+    compressor = PacTrainCompressor(stable_steps=3, dense_above=0.5, check_every=4)
+    tracker = compressor.tracker
+    codec = PacTrainCodec(SimpleNamespace(compressor=compressor))
+    assert compressor.tracker is tracker and codec.tracker is tracker and type(tracker) is MaskTracker
+    assert (tracker.stable_steps, tracker.dense_above, tracker.check_every) == (3, 0.5, 4)
