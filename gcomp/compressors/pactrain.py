@@ -5,33 +5,21 @@ PacTrain (Wang, Wu, Li, Kutscher, 2025). Prune first (``gcomp.pruning.prune``), 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from typing import Annotated
 
 import torch
 
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
+from gcomp.compressors.pactrain_payload import ONE_ROUND, TERNARY, PackedCtx
+from gcomp.compressors.pactrain_rows import PacTrainRows
 from gcomp.compressors.pactrain_ternary import TernaryCodec
 from gcomp.compressors.quantise import RankGenerator, rank_and_world
 from gcomp.core import ALLREDUCE, MAX, SUM, Payload, check_state
 from gcomp.method import Method
 from gcomp.memory import NoMemory
 from gcomp.params import Range
-from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, BucketTrack, MaskTracker
+from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, MaskTracker
 from gcomp.registry import register
-
-TERNARY = "ternary"  # two rounds: the exact shared scale first
-ONE_ROUND = "ternary1"  # one round: the scale carried from the step before (``scale_grid``)
-
-
-@dataclass
-class _Ctx:
-    mode: str  # tracking, dense, packed, ternary or ternary1
-    track: BucketTrack
-    bucket: torch.Tensor  # the gradient buffer the result is written into
-    exponents: torch.Tensor | None = None  # one round: the shared scale's grid exponents used to encode
-    scale: torch.Tensor | None = None  # and that scale
-
 
 class PacTrainCompressor(ChainedCompressor):
     """Mask-packed all-reduce of a pruned model's buckets (lossless), optionally ternarised.
@@ -142,9 +130,9 @@ class PacTrainCompressor(ChainedCompressor):
         track, changed_here = self.tracker.decide(bucket, tensor.device)
         if track.mode == TRACKING:
             return Payload([tensor, MaskTracker.flags(track, changed_here, tensor.device)],
-                           _Ctx(TRACKING, track, tensor), ops=(SUM, MAX))
+                           PackedCtx(TRACKING, track, tensor), ops=(SUM, MAX))
         if track.mode == DENSE:
-            return Payload([tensor], _Ctx(DENSE, track, tensor))
+            return Payload([tensor], PackedCtx(DENSE, track, tensor))
         self.count("packed_buckets")
         support, state, codec = track.support, track.state, self.codec
         if not self.ternary:
@@ -152,27 +140,27 @@ class PacTrainCompressor(ChainedCompressor):
                 state.packed = tensor.new_empty(support.kept + 1)
             support.gather(tensor, state.packed)
             state.packed[-1] = float(changed_here)
-            return Payload([state.packed], _Ctx(PACKED, track, tensor))
+            return Payload([state.packed], PackedCtx(PACKED, track, tensor))
         codec.gather_values(support, state, tensor)
         scales = codec.local_scales(support, state, changed_here)
         carried = codec.carried_scale(state.carry)
         if carried is None:
             lanes = torch.empty(codec.words(support.kept), dtype=torch.int64, device=tensor.device)
-            return Payload([scales, lanes], _Ctx(TERNARY, track, tensor), ops=(MAX, SUM))
+            return Payload([scales, lanes], PackedCtx(TERNARY, track, tensor), ops=(MAX, SUM))
         return Payload([codec.one_round_lanes(support, state, scales, *carried)],
-                       _Ctx(ONE_ROUND, track, tensor, *carried))
+                       PackedCtx(ONE_ROUND, track, tensor, *carried))
 
     def chained(self, payload: Payload) -> bool:
         return payload.ctx.mode == TERNARY
 
     def second_round(self, payload: Payload) -> None:
         """Ternarise: fill the lanes from the shared scales (``payload.tensors[0]`` after its MAX all-reduce)."""
-        track = payload.ctx.track
-        payload.tensors[1] = self.codec.code_words(track.support, track.state, payload.tensors[0][:-2])
+        ctx = payload.ctx
+        payload.tensors[1] = self.codec.code_words(ctx.face, ctx.track.state, payload.tensors[0][:-2], ctx.lay_out)
 
     # --- decode ---------------------------------------------------------------------------------------------
 
-    def decompress(self, tensors, ctx: _Ctx):
+    def decompress(self, tensors, ctx: PackedCtx):
         track, support = ctx.track, ctx.track.support
         if ctx.mode == TRACKING:
             MaskTracker.receive_flags(track, tensors[1])
@@ -222,7 +210,7 @@ ROUNDS_HELP = ("ternary: 1, one all-reduce with the scale carried from the step 
                "at every step")
 
 
-@register("pactrain", paper="Wang, Wu, Li, Kutscher 2025 (PacTrain, arXiv 2505.18563)")
+@register("pactrain", paper="Wang, Wu, Li, Kutscher 2025 (PacTrain, arXiv 2505.18563)", fsdp=PacTrainRows)
 def pactrain(
     ternary: Annotated[bool, "ternarise the packed entries (shared per-parameter scale, integer lanes)"] = False,
     stable_steps: Annotated[int, Range(1, None), "steps a bucket's masks must stay unchanged before packing "

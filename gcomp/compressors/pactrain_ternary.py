@@ -1,7 +1,7 @@
 """PacTrain's ternary codec: the kept entries of a packed bucket as stochastic ternary codes in integer lanes.
 
 ``TernaryCodec`` is a component: ``PacTrainCompressor`` (``gcomp.compressors.pactrain``) holds one, which FSDP2's
-codec (``gcomp.fsdp.pactrain``) calls too, on its row layout. It is made with its configuration (``clip``,
+row strategy (``gcomp.compressors.pactrain_rows``) calls too, on its row layout. It is made with its configuration (``clip``,
 ``error_feedback``, ``rounds``, its own ``RankGenerator``) and bound once with the world size (the lanes' width)
 and a counter of its statistics (``bind``); everything else comes in per call: a support's face of the values
 (``kept`` entries in per-parameter ``segments``, and ``gather``), and the layout's state (``LayoutState``:

@@ -50,7 +50,7 @@ class TernaryWork:
     hit: torch.Tensor  # bool (kept,): which entries send a non-zero code
     codes: torch.Tensor  # uint8 (F,), zero-initialised: t + 1 per kept entry, then zero padding
     bernoulli: dict = field(default_factory=dict)  # ``bernoulli.draw_hits``' own work buffers (its draws: ``draws``)
-    # FSDP2 only (``gcomp.fsdp.pactrain``): uint8 (world, F_row), each destination row's codes before packing,
+    # FSDP2 only (``gcomp.compressors.pactrain_rows``): uint8 (world, F_row), each destination row's codes before packing,
     # zero where no code goes
     rows: torch.Tensor | None = None
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import gcomp
+
 from gcomp.bench import fsdp as bench_fsdp
 from gcomp.collectives import bitpack
 from gcomp.sharding import ShardLayout
-from gcomp.fsdp.support import ShardSupport
+from gcomp.packing.shard_support import ShardSupport
 
 
 def _layout(world=3, rank=1):
@@ -78,30 +80,49 @@ def test_bench_fsdp_accepts_its_defaults_and_ternary_and_refuses_what_cannot_run
             bench_fsdp.check_methods([text])
 
 
-def test_pactrain_codec_divides_first_with_ternary_and_refuses_group_granularity():
-    from types import SimpleNamespace
+class _Recorder:
+    """A method whose reduce-scatter records what it is handed and returns this rank's row of it."""
 
+    def __init__(self, lossless: bool):
+        self.lossless, self.seen = lossless, None
+
+    def reduce_scatter(self, output, input, layout, group, stats):
+        self.seen = input.clone()
+        output.copy_(input.view(layout.world, -1)[layout.rank])
+
+
+def test_a_lossy_method_encodes_the_mean_and_a_lossless_one_divides_the_sum():
+    """As DDP's hook for lossy methods (16-bit sums do not overflow, residuals and carried scales are in the mean's
+    units); after the sum, as FSDP itself, for lossless ones (bit for bit FSDP2's own reduce-scatter)."""
+    from gcomp.fsdp import FSDPState
+
+    layout = _layout(world=2, rank=0)
+    for lossless in (False, True):
+        state = object.__new__(FSDPState)  # no process group: the division and the call, alone
+        state.method, state._layouts, state._backward, state.iteration = _Recorder(lossless), set(), None, 0
+        state.stats = {"steps": 0, "buckets": 0, "bytes_dense": 0, "layouts": 0}
+        x, out = torch.arange(1.0, 1.0 + layout.numel), torch.empty(layout.shard_numel)
+        state.reduce_scatter(layout, out, x.clone(), None, 4.0)
+        assert torch.equal(state.method.seen, x if lossless else x / 4), lossless
+        assert torch.equal(out, x.view(2, -1)[0] / 4)
+    assert not gcomp.create("pactrain", ternary=True).lossless and gcomp.create("pactrain").lossless
+
+
+def test_pactrain_rows_refuse_group_granularity_and_decide_on_the_compressors_own_tracker():
+    """The row strategy swaps no tracker in: it decides on the compressor's own ``MaskTracker`` (which its
+    ``state_dict`` saves), building each layout's ``ShardSupport`` through ``decide``'s builder."""
+    from gcomp.collectives.chained import ChainedAllreduceCommunicator
     from gcomp.compressors.pactrain import PacTrainCompressor
-    from gcomp.fsdp.pactrain import PacTrainCodec
-
-    # ternary encodes the mean (as DDP's hook does: residuals and carried scales in its units); lossless sums first
-    assert PacTrainCodec(SimpleNamespace(compressor=PacTrainCompressor(ternary=True))).prescale
-    assert not PacTrainCodec(SimpleNamespace(compressor=PacTrainCompressor())).prescale
-    with pytest.raises(ValueError, match="granularity='groups' is not supported"):
-        PacTrainCodec(SimpleNamespace(compressor=PacTrainCompressor(granularity="groups")))
-
-
-def test_pactrain_codec_decides_on_the_compressors_own_tracker():
-    """The codec swaps no tracker in: it decides on the compressor's own ``MaskTracker`` (which its ``state_dict``
-    saves), building each layout's ``ShardSupport`` through ``decide``'s builder."""
-    from types import SimpleNamespace
-
-    from gcomp.compressors.pactrain import PacTrainCompressor
-    from gcomp.fsdp.pactrain import PacTrainCodec
+    from gcomp.compressors.pactrain_rows import PacTrainRows
     from gcomp.packing.tracker import MaskTracker
 
-    compressor = PacTrainCompressor(stable_steps=3, dense_above=0.5, check_every=4)
-    tracker = compressor.tracker
-    codec = PacTrainCodec(SimpleNamespace(compressor=compressor))
-    assert compressor.tracker is tracker and codec.tracker is tracker and type(tracker) is MaskTracker
+    grouped = gcomp.Method(PacTrainCompressor(granularity="groups"), gcomp.NoMemory(), ChainedAllreduceCommunicator())
+    with pytest.raises(ValueError, match="granularity='groups' is not supported"):
+        PacTrainRows().check(grouped)
+    method = gcomp.create("pactrain", stable_steps=3, dense_above=0.5, check_every=4)
+    tracker = method.compressor.tracker
+    layout = _layout(world=3, rank=1)
+    payload = method.row_strategy.compress(method.compressor, torch.ones(layout.numel), layout)
+    assert method.compressor.tracker is tracker and type(tracker) is MaskTracker
+    assert list(tracker.tracks) == [layout.params.key] and payload.tensors[0].shape == (3, layout.shard_numel)
     assert (tracker.stable_steps, tracker.dense_above, tracker.check_every) == (3, 0.5, 4)

@@ -6,7 +6,7 @@ from functools import cached_property
 import torch
 
 from gcomp.collectives import bitpack
-from gcomp.fsdp.layout import ShardLayout
+from gcomp.sharding.layout import ShardLayout
 from gcomp.packing.support import Support
 from gcomp.pruning.masks import positions_digest
 
