@@ -36,13 +36,24 @@ def _sizes(obj, seen: set, path: str = "method") -> dict[str, int]:
     return out
 
 
+def _codecs(method) -> list:
+    """The compressors a method decodes with: its own, or its parts' (a composite: ``auto``, ``hierarchical``)."""
+    if isinstance(method, gcomp.Method):
+        return [method.compressor]
+    return [codec for part in method.parts for codec in _codecs(part)]
+
+
 def test_no_registered_method_grows_itself_while_decoding(monkeypatch):
     grew: dict[str, set] = {}
     create = gcomp.create
 
     def watched(name, **params):
         method = create(name, **params)
-        compressor = method.compressor
+        for compressor in _codecs(method):
+            _watch(method, compressor, name)
+        return method
+
+    def _watch(method, compressor, name):
         for attr in ("decompress", "aggregate"):
             decode = getattr(compressor, attr)
 
@@ -56,7 +67,6 @@ def test_no_registered_method_grows_itself_while_decoding(monkeypatch):
                 return result
 
             setattr(compressor, attr, wrapped)
-        return method
 
     monkeypatch.setattr(codec_table.gcomp, "create", watched)
     rows = codec_table.run(sizes_mb=(0.25,), repeats=1, log=lambda *_: None)

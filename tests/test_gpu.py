@@ -32,7 +32,7 @@ from tests.distributed import free_port, run_ranks_once
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = gcomp.available()
-LOSSLESS = [m for m in METHODS if gcomp.create(m).compressor.lossless]
+LOSSLESS = [m for m in METHODS if gcomp.create(m).lossless]
 PRUNED = ("pactrain", "prunex")  # methods that need a pruned model to do their own work
 STEPS = 6
 NO_CUDA = "no CUDA GPU here (torch.cuda.is_available() is False): the GPU tests need one"

@@ -87,7 +87,7 @@ def job_contracts(configs=CONFIGS) -> dict:
         avg = _call(comm, x, dist.ReduceOp.AVG)
         out[label] = {"first": steps[0], "last": steps[-1], "sum": mine, "conserved": torch.cat(shards)
                       + torch.stack(residuals).sum(0)[:numel], "steps": len(steps), "total": total,
-                      "lossless": state.method.compressor.lossless, "nan": bool(torch.isnan(nan_out).any()),
+                      "lossless": state.method.lossless, "nan": bool(torch.isnan(nan_out).any()),
                       "nan_shard": world - 1, "avg": avg, "packed": state.stats.get("packed_buckets", 0),
                       "stats": dict(state.stats), "call_bytes": call_bytes,
                       "own_mask": None if mask is None else mask[rank],
