@@ -10,7 +10,7 @@ from typing import Annotated
 import torch
 
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
-from gcomp.compressors.pactrain_payload import ONE_ROUND, TERNARY, PackedCtx
+from gcomp.compressors.pactrain_payload import FLAT, ONE_ROUND, TERNARY, PackedCtx
 from gcomp.compressors.pactrain_rows import PacTrainRows
 from gcomp.compressors.pactrain_ternary import TernaryCodec
 from gcomp.compressors.quantise import RankGenerator, rank_and_world
@@ -124,31 +124,37 @@ class PacTrainCompressor(ChainedCompressor):
         if key in self.stats:
             self.stats[key] += 1
 
-    # --- encode ---------------------------------------------------------------------------------------------
+    # --- encode, for DDP's flat bucket and FSDP2's rows alike (the view says how it is laid out) -------------
 
     def compress(self, tensor, bucket):
-        track, changed_here = self.tracker.decide(bucket, tensor.device)
+        return self.encode(tensor, bucket, FLAT)
+
+    def encode(self, tensor: torch.Tensor, info, view=FLAT) -> Payload:
+        """The payload of ``tensor`` (the layout ``info``: its parameters' names find their masks) by the tracker's
+        mode for it, laid out by ``view`` (``FlatView``; FSDP2's ``RowsView``)."""
+        track, changed_here = self.tracker.decide(info, tensor.device, view.build(tensor.device))
         if track.mode == TRACKING:
-            return Payload([tensor, MaskTracker.flags(track, changed_here, tensor.device)],
-                           PackedCtx(TRACKING, track, tensor), ops=(SUM, MAX))
+            return Payload([view.dense(tensor), MaskTracker.flags(track, changed_here, tensor.device)],
+                           PackedCtx(TRACKING, track, tensor, view), ops=(SUM, MAX), whole=(1,) if view.in_rows else ())
         if track.mode == DENSE:
-            return Payload([tensor], PackedCtx(DENSE, track, tensor))
+            return Payload([view.dense(tensor)], PackedCtx(DENSE, track, tensor, view))
         self.count("packed_buckets")
         support, state, codec = track.support, track.state, self.codec
         if not self.ternary:
-            if state.packed is None:
-                state.packed = tensor.new_empty(support.kept + 1)
-            support.gather(tensor, state.packed)
-            state.packed[-1] = float(changed_here)
-            return Payload([state.packed], PackedCtx(PACKED, track, tensor))
-        codec.gather_values(support, state, tensor)
-        scales = codec.local_scales(support, state, changed_here)
+            packed = view.packed(support, state, tensor)
+            packed[..., -1] = float(changed_here)
+            return Payload([packed], PackedCtx(PACKED, track, tensor, view))
+        face, _, words = view.ternary(support, codec)
+        codec.gather_values(face, state, tensor)
+        scales = codec.local_scales(face, state, changed_here)
         carried = codec.carried_scale(state.carry)
+        lay_out = view.lay_out(support, state, tensor.device)
         if carried is None:
-            lanes = torch.empty(codec.words(support.kept), dtype=torch.int64, device=tensor.device)
-            return Payload([scales, lanes], PackedCtx(TERNARY, track, tensor), ops=(MAX, SUM))
-        return Payload([codec.one_round_lanes(support, state, scales, *carried)],
-                       PackedCtx(ONE_ROUND, track, tensor, *carried))
+            return Payload([scales, view.lanes(words, tensor.device)],
+                           PackedCtx(TERNARY, track, tensor, view, face=face, lay_out=lay_out, words=words),
+                           ops=(MAX, SUM), whole=(0,) if view.in_rows else ())
+        return Payload([codec.one_round_lanes(face, state, scales, *carried, lay_out)],
+                       PackedCtx(ONE_ROUND, track, tensor, view, *carried, face=face, lay_out=lay_out, words=words))
 
     def chained(self, payload: Payload) -> bool:
         return payload.ctx.mode == TERNARY
@@ -161,26 +167,30 @@ class PacTrainCompressor(ChainedCompressor):
     # --- decode ---------------------------------------------------------------------------------------------
 
     def decompress(self, tensors, ctx: PackedCtx):
-        track, support = ctx.track, ctx.track.support
-        if ctx.mode == TRACKING:
-            MaskTracker.receive_flags(track, tensors[1])
-            return tensors[0]
-        if ctx.mode == DENSE:
-            return tensors[0]
+        return self.decode(tensors, ctx, ctx.bucket)
+
+    def decode(self, received, ctx: PackedCtx, out: torch.Tensor) -> torch.Tensor:
+        """What was received (reduced over the ranks: the bucket's tensors, or this rank's rows under FSDP2) into
+        ``out`` (the bucket, or this rank's shard), by the payload's mode."""
+        track, view = ctx.track, ctx.view
+        if ctx.mode in (TRACKING, DENSE):
+            if ctx.mode == TRACKING:
+                MaskTracker.receive_flags(track, received[1])
+            return view.result(received[0], out)
+        support = track.support
         if ctx.mode == PACKED:
-            MaskTracker.receive_changed(track, tensors[0][-1:])
-            return support.scatter(tensors[0], ctx.bucket)
+            MaskTracker.receive_changed(track, received[0][-1:])
+            return view.unpack(support, received[0], out)
         state, codec = track.state, self.codec
         if ctx.mode == TERNARY:
-            scales, lanes = tensors
-            shared, nonfinite, changed = codec.receive_scales(state.carry, scales)
+            shared, nonfinite, changed = codec.receive_scales(state.carry, received[0])
+            lanes = received[1]
         else:
             shared = ctx.scale
-            lanes, nonfinite, changed = codec.receive_lanes(state.carry, tensors[0], codec.words(support.kept),
-                                                            ctx.exponents)
+            lanes, nonfinite, changed = codec.receive_lanes(state.carry, received[0], ctx.words, ctx.exponents)
         MaskTracker.receive_changed(track, changed)
-        values = codec.decode_values(support, state, shared, nonfinite, lanes, ctx.bucket.dtype)
-        return support.scatter(values, ctx.bucket)
+        _, own, _ = view.ternary(support, codec)
+        return view.unpack(support, codec.decode_values(own, state, shared, nonfinite, lanes, out.dtype), out)
 
     # --- checkpoint -------------------------------------------------------------------------------------------
 

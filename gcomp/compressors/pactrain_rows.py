@@ -1,14 +1,13 @@
-"""``pactrain`` under FSDP2: ``PacTrainRows``, the row strategy that lays its compressor's payload out one row per
-destination shard (``gcomp.sharding``), each shard's kept entries packed into equal rows."""
+"""``pactrain`` under FSDP2: ``PacTrainRows``, its row strategy (``gcomp.sharding``), runs the compressor's own
+encoder and decoder (``PacTrainCompressor.encode``, ``.decode``, DDP's too) on ``RowsView``, one row per
+destination shard, each shard's kept entries packed into equal rows."""
 from __future__ import annotations
 
 import torch
 
-from gcomp.compressors.pactrain_payload import ONE_ROUND, TERNARY, PackedCtx
-from gcomp.core import MAX, SUM, Payload
 from gcomp.packing.shard_support import ShardSupport
-from gcomp.packing.tracker import DENSE, ENTRIES, PACKED, TRACKING, MaskTracker
-from gcomp.sharding import RowStrategy
+from gcomp.packing.tracker import ENTRIES
+from gcomp.sharding import RowStrategy, ShardLayout
 
 
 class PacTrainRows(RowStrategy):
@@ -56,61 +55,52 @@ class PacTrainRows(RowStrategy):
                              "fully_shard")
 
     def compress(self, compressor, tensor, layout):
-        world, device = layout.world, tensor.device
-        track, changed_here = compressor.tracker.decide(layout.params, device,
-                                                        lambda masks: ShardSupport(layout, masks, device))
-        if track.mode == TRACKING:
-            return Payload([tensor.view(world, -1), MaskTracker.flags(track, changed_here, device)],
-                           PackedCtx(TRACKING, track, tensor), ops=(SUM, MAX), whole=(1,))
-        if track.mode == DENSE:
-            return Payload([tensor.view(world, -1)], PackedCtx(DENSE, track, tensor))
-        compressor.count("packed_buckets")
-        support: ShardSupport = track.support
-        state, codec = track.state, compressor.codec
-        if not compressor.ternary:
-            if state.packed is None:
-                state.packed = tensor.new_empty(world, support.width + 1)
-            support.pack(tensor, state.packed)
-            state.packed[:, -1] = float(changed_here)
-            return Payload([state.packed], PackedCtx(PACKED, track, tensor))
-        rows = support.ternary  # the values to encode (the whole input's kept entries) and where each code goes
-        codec.gather_values(rows.values, state, tensor)
-        scales = codec.local_scales(rows.values, state, changed_here)
-        carried = codec.carried_scale(state.carry)
-        if state.ternary.rows is None:  # codes laid out per row; the padding fields stay zero
-            state.ternary.rows = torch.zeros(world, rows.fields, dtype=torch.uint8, device=device)
-        fields = state.ternary.rows
-
-        def lay_out(codes: torch.Tensor) -> torch.Tensor:
-            return rows.rows(codes, fields)
-
-        if carried is None:  # two rounds: the exact shared scale first, then the codes (``second_round``)
-            lanes = torch.empty(world, rows.words, dtype=torch.int64, device=device)
-            return Payload([scales, lanes], PackedCtx(TERNARY, track, tensor, face=rows.values, lay_out=lay_out),
-                           ops=(MAX, SUM), whole=(0,))
-        lanes = codec.one_round_lanes(rows.values, state, scales, *carried, lay_out)  # counts alike in every row
-        return Payload([lanes], PackedCtx(ONE_ROUND, track, tensor, *carried, face=rows.values, lay_out=lay_out))
+        return compressor.encode(tensor, layout.params, RowsView(layout))
 
     def decode(self, compressor, received, payload, layout, output):
-        ctx: PackedCtx = payload.ctx
-        track = ctx.track
-        if ctx.mode in (TRACKING, DENSE):
-            if ctx.mode == TRACKING:
-                MaskTracker.receive_flags(track, received[1])
-            output.copy_(received[0])
-            return
-        support: ShardSupport = track.support
-        if ctx.mode == PACKED:
-            MaskTracker.receive_changed(track, received[0][-1:])
-            support.unpack_own(received[0], output)
-            return
-        rows, state, codec = support.ternary, track.state, compressor.codec
-        if ctx.mode == TERNARY:
-            shared, nonfinite, changed = codec.receive_scales(state.carry, received[0])
-            lanes = received[1]
-        else:
-            shared = ctx.scale
-            lanes, nonfinite, changed = codec.receive_lanes(state.carry, received[0], rows.words, ctx.exponents)
-        MaskTracker.receive_changed(track, changed)
-        decoded = codec.decode_values(rows.own, state, shared, nonfinite, lanes)
-        support.unpack_own(decoded if decoded.dtype == output.dtype else decoded.to(output.dtype), output)
+        compressor.decode(received, payload.ctx, output)
+
+
+class RowsView:
+    """FSDP2's reduce-scatter input as ``PacTrainCompressor.encode`` lays it out: rows, one per destination shard
+    (``layout``): while tracking or dense the input itself, (world, S); packed, each row's kept entries padded to
+    the longest row and one changed entry, (world, K + 1) (``ShardSupport.pack``); ternary, the codec on the kept
+    entries of the whole input (``TernaryRows.values``), each code laid into its destination's row of lanes, and
+    this rank's row decoded (``TernaryRows.own``). What comes back is this rank's row, unpacked onto its shard."""
+
+    in_rows = True
+
+    def __init__(self, layout: ShardLayout):
+        self.layout = layout
+
+    def build(self, device):
+        """This layout's supports are ``ShardSupport``s (the tracker builds one when it freezes)."""
+        return lambda masks: ShardSupport(self.layout, masks, device)
+
+    def dense(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view(self.layout.world, -1)
+
+    def packed(self, support: ShardSupport, state, tensor: torch.Tensor) -> torch.Tensor:
+        if state.packed is None:
+            state.packed = tensor.new_empty(self.layout.world, support.width + 1)
+        return support.pack(tensor, state.packed)
+
+    def ternary(self, support: ShardSupport, codec):
+        rows = support.ternary
+        return rows.values, rows.own, rows.words
+
+    def lay_out(self, support: ShardSupport, state, device):
+        rows = support.ternary
+        if state.ternary.rows is None:  # codes laid out per row; the padding fields stay zero
+            state.ternary.rows = torch.zeros(rows.world, rows.fields, dtype=torch.uint8, device=device)
+        fields = state.ternary.rows
+        return lambda codes: rows.rows(codes, fields)
+
+    def lanes(self, words: int, device) -> torch.Tensor:
+        return torch.empty(self.layout.world, words, dtype=torch.int64, device=device)
+
+    def result(self, received: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(received)
+
+    def unpack(self, support: ShardSupport, row: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return support.unpack_own(row, out)
