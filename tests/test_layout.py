@@ -144,3 +144,55 @@ def test_link_imports_only_the_floors_below(path):
 def test_no_module_over_300_lines(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES}): split it"
+
+
+def _graph(room) -> dict[str, set[str]]:
+    """Imports between the modules of ``gcomp`` (the package's face, ``gcomp/__init__.py``, left out: it only hands
+    names on), each module mapped by ``room`` (to itself, or to its top-level file or folder)."""
+    modules = {}
+    for path in ROOT.glob("gcomp/**/*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if name != "gcomp":
+            modules[name] = path
+    edges: dict[str, set[str]] = {room(m): set() for m in modules}
+    for name, path in modules.items():
+        found = _module_imports(path)
+        for line, imported in found:
+            while imported and imported not in modules:  # ``from a.b import name``: the module a.b
+                imported = imported.rpartition(".")[0]
+            if any(line == other_line and other.startswith(imported + ".") and other in modules
+                   for other_line, other in found):
+                continue  # ``from a import b`` of a module b: b, not the package's face
+            if imported and room(imported) != room(name):
+                edges[room(name)].add(room(imported))
+    return edges
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One loop of ``edges``, or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node, [node])):
+            return found
+    return None
+
+
+@pytest.mark.parametrize("level", ["modules", "rooms"])
+def test_imports_make_no_circle(level):
+    """No module imports itself back through others, nor does a top-level file or folder of ``gcomp`` (a room): the
+    floors are then well defined, and every import runs down them."""
+    room = (lambda m: m) if level == "modules" else (lambda m: ".".join(m.split(".")[:2]))
+    loop = _cycle(_graph(room))
+    assert loop is None, " -> ".join(loop)
