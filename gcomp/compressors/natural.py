@@ -2,15 +2,14 @@
 compression), sent as its sign and its 8-bit fp32 exponent."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated
 
 import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.compressors.bernoulli import sparse_nonzero
-from gcomp.compressors.quantise import (RankGenerator, RankwiseDecoder, Scratch, SeededState, rank_and_world,
-                                        work_dtype)
+from gcomp.compressors.quantise import (RankGenerator, RankwiseCtx, RankwiseDecoder, Scratch, SeededState,
+                                        rank_and_world, work_dtype)
 from gcomp.core import ALLGATHER, Payload
 from gcomp.memory import NoMemory
 from gcomp.method import Method
@@ -20,13 +19,6 @@ from gcomp.registry import register
 _MANTISSA_BITS = 23
 _MANTISSA = (1 << _MANTISSA_BITS) - 1
 
-
-@dataclass
-class _Ctx:
-    n: int
-    dtype: torch.dtype
-    key: str  # the bucket layout: its scratch buffers
-    tensor: torch.Tensor  # what was compressed: ``aggregate`` (the hook's decode) writes the result into it
 
 
 class NaturalCompressor(SeededState, RankwiseDecoder):
@@ -112,9 +104,9 @@ class NaturalCompressor(SeededState, RankwiseDecoder):
         signs[:n].bitwise_or_(nan.view(torch.uint8))
         exponent.bitwise_and_(nan.view(torch.uint8).sub_(1))  # 0 where NaN (1 - 1), else & 255 (0 - 1)
         packed = bitpack.pack_flags_(signs) if bitpack.little_endian() else bitpack.pack(signs, 1)
-        return Payload([exponent, packed], _Ctx(n, tensor.dtype, bucket.key, tensor))
+        return Payload([exponent, packed], RankwiseCtx(n, tensor.dtype, (), bucket.key, tensor))
 
-    def decode(self, gathered, ctx: _Ctx, out: torch.Tensor) -> torch.Tensor:
+    def decode(self, gathered, ctx: RankwiseCtx, out: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of the decoded powers of two written into ``out``, rank by rank: the top 16 bits
         of each fp32 value, ``(exponent << 7) | (sign << 15)``, built as int16 in the draws buffer and widened
         as bfloat16 (exact); the NaN code (sign 1, exponent 0: the bits of -0) is then written where it is."""

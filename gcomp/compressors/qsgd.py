@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Annotated
 
 import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.compressors.quantise import (RankGenerator, RankwiseDecoder, Scratch, SeededState, add_scaled_,
-                                        draw_units, per_segment_, rank_and_world, segment_lengths, wire_scale,
-                                        work_dtype)
+from gcomp.compressors.quantise import (RankGenerator, RankwiseCtx, RankwiseDecoder, Scratch, SeededState,
+                                        add_scaled_, draw_units, per_segment_, rank_and_world, segment_lengths,
+                                        wire_scale, work_dtype)
 from gcomp.core import ALLGATHER, Payload
 from gcomp.memory import NoMemory
 from gcomp.method import Method
@@ -29,15 +28,6 @@ def field_bits(levels: int) -> int:
 # 8-bit fields (s in 64..127, the default 127) are the bytes of the int64 words on a little-endian machine:
 # the levels are converted straight into the payload, with no packing pass.
 _BYTE_WORDS = sys.byteorder == "little"
-
-
-@dataclass
-class _Ctx:
-    n: int
-    dtype: torch.dtype
-    lengths: tuple[int, ...]
-    key: str  # the bucket layout: its scratch buffers
-    tensor: torch.Tensor  # what was compressed: ``aggregate`` (the hook's decode) writes the result into it
 
 
 class QSGDCompressor(SeededState, RankwiseDecoder):
@@ -101,11 +91,12 @@ class QSGDCompressor(SeededState, RankwiseDecoder):
             fields = torch.empty(n, dtype=torch.uint8 if 2 * s < 256 else torch.int32, device=values.device)
         fields[:n].copy_(levels)
         fields.clamp_(0, 2 * s)  # NaN converts to an undefined integer: keep the neighbours' fields intact
-        packed = fields.view(torch.int64) if fields.numel() == words * 8 and fields.dtype == torch.uint8 \
-            else bitpack.pack(fields, self.bits)
-        return Payload([norms, packed], _Ctx(n, tensor.dtype, lengths, bucket.key, tensor))
+        # 8-bit fields are the words' own bytes; narrower ones are packed (a bucket of 8 entries has as many
+        # bytes as its one word too: the field width decides, not the length)
+        packed = fields.view(torch.int64) if self.bits == 8 and _BYTE_WORDS else bitpack.pack(fields, self.bits)
+        return Payload([norms, packed], RankwiseCtx(n, tensor.dtype, lengths, bucket.key, tensor))
 
-    def decode(self, gathered, ctx: _Ctx, out: torch.Tensor) -> torch.Tensor:
+    def decode(self, gathered, ctx: RankwiseCtx, out: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of ``(field - s) * r / s`` written into ``out``, rank by rank: each rank's fields
         (the payload's own bytes for 8-bit fields, else unpacked into the draws buffer) turn into values in
         one pass per segment."""

@@ -9,6 +9,7 @@ code may draw from too (data order, initialisation): two streams meant to be ind
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from abc import abstractmethod
 
 import torch
@@ -203,10 +204,25 @@ def add_scaled_(draws: torch.Tensor, values: torch.Tensor, factors: torch.Tensor
     return draws
 
 
+@dataclass
+class RankwiseCtx:
+    """A ``RankwiseDecoder``'s payload context: ``n`` entries of ``dtype``, per-parameter segment ``lengths``
+    (empty for a codec without per-parameter scales), ``key`` (the bucket layout: its scratch buffers), ``tensor``
+    (what was compressed: ``aggregate``, the hook's decode, writes the result into it) and ``values`` (the entries
+    in the work dtype, when the codec keeps them)."""
+
+    n: int
+    dtype: torch.dtype
+    lengths: tuple[int, ...]
+    key: str
+    tensor: torch.Tensor
+    values: torch.Tensor | None = None
+
+
 class RankwiseDecoder(Compressor):
     """An all-gather codec that decodes the ranks' payloads one after the other into one sum (``decode``): one
-    payload alone decodes into a fresh tensor, the gathered payloads into the bucket itself. Its ``ctx`` has
-    ``n`` (entries), ``dtype`` and ``tensor`` (the bucket compressed)."""
+    payload alone decodes into a fresh tensor, the gathered payloads into the bucket itself. Its ``ctx`` is a
+    ``RankwiseCtx``."""
 
     def decompress(self, tensors, ctx):
         out = torch.empty(ctx.n, dtype=ctx.dtype, device=tensors[0].device)

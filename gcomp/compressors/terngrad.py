@@ -1,7 +1,6 @@
 """``terngrad``: stochastic ternary codes {-1, 0, 1} times one scale per parameter (Wen et al., NeurIPS 2017)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated
 
 import torch
@@ -9,8 +8,9 @@ import torch
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
 from gcomp.compressors import bernoulli
-from gcomp.compressors.quantise import (RankGenerator, RankwiseDecoder, Scratch, SeededState, per_segment_,
-                                        rank_and_world, segment_lengths, segment_scales, wire_scale, work_dtype)
+from gcomp.compressors.quantise import (RankGenerator, RankwiseCtx, RankwiseDecoder, Scratch, SeededState,
+                                        per_segment_, rank_and_world, segment_lengths, segment_scales, wire_scale,
+                                        work_dtype)
 from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, Payload
 from gcomp.memory import NoMemory
 from gcomp.method import Method
@@ -52,16 +52,6 @@ def unpack_codes(words: torch.Tensor, n: int, table: torch.Tensor, out: torch.Te
         last = index[:1].copy_(source[whole:whole + 1])
         out[whole * 4:n].copy_(torch.index_select(table, 0, last)[0, :n - whole * 4])
     return out[:n]
-
-
-@dataclass
-class _Ctx:
-    n: int
-    dtype: torch.dtype
-    lengths: tuple[int, ...]
-    key: str  # the bucket layout: its scratch buffers
-    tensor: torch.Tensor  # what was compressed: ``aggregate`` (the hook's decode) writes the result into it
-    values: torch.Tensor  # the entries in the work dtype (``tensor`` itself for fp32 and fp64 buckets)
 
 
 class TernGradCompressor(SeededState, RankwiseDecoder):
@@ -142,9 +132,9 @@ class TernGradCompressor(SeededState, RankwiseDecoder):
         scales = wire_scale(segment_scales(values, lengths, self.clip))
         codes = self.draw_codes(values, scales, lengths, bucket.key)
         words = pack_codes_(codes) if bitpack.little_endian() else bitpack.pack(codes, 2)
-        return Payload([scales, words], _Ctx(n, tensor.dtype, lengths, bucket.key, tensor, values))
+        return Payload([scales, words], RankwiseCtx(n, tensor.dtype, lengths, bucket.key, tensor, values))
 
-    def decode(self, gathered, ctx: _Ctx, out: torch.Tensor) -> torch.Tensor:
+    def decode(self, gathered, ctx: RankwiseCtx, out: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of ``(code - 1) * scale`` written into ``out``, rank by rank: each rank's codes
         are unpacked into the draws buffer (free after the encode) and scaled straight into the sum."""
         scales, words = gathered  # (world, segments) fp32, (world, words) int64
@@ -193,7 +183,7 @@ class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):
         scales[segments] = (~torch.isfinite(scales[:segments])).any()
         bits = bitpack.lane_bits(self.world_size)
         lanes = torch.zeros(bitpack.packed_words(n, bits), dtype=torch.int64, device=values.device)
-        return Payload([scales, lanes], _Ctx(n, tensor.dtype, lengths, bucket.key, tensor, values), ops=(MAX, SUM))
+        return Payload([scales, lanes], RankwiseCtx(n, tensor.dtype, lengths, bucket.key, tensor, values), ops=(MAX, SUM))
 
     def second_round(self, payload: Payload) -> None:
         """Ternarise: fill the lanes (``payload.tensors[1]``) from the shared scales (``tensors[0]`` after MAX)."""
@@ -202,7 +192,7 @@ class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):
         whole = codes if bitpack.packed_words(codes.numel(), bits) == payload.tensors[1].numel() else codes[:ctx.n]
         payload.tensors[1].copy_(bitpack.pack(whole, bits))
 
-    def decompress(self, tensors, ctx: _Ctx):
+    def decompress(self, tensors, ctx: RankwiseCtx):
         """The summed lanes as ``(field - N) * shared scale``, written into the tensor that was compressed (the
         hook's bucket, as an all-reduce would), which it returns."""
         scales, lanes = tensors

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import gcomp
@@ -28,6 +28,7 @@ def test_field_bits_is_sign_plus_level_bits():
        levels=st.one_of(st.sampled_from([1, 2, 7, 127, 128, 255, 2**15 - 1]), st.integers(1, 2**15 - 1)),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1), zeros=st.sampled_from([0.0, 0.3, 1.0]),
        world=st.integers(1, 4))
+@example(sizes=[8], levels=1, dtype=torch.float32, seed=0, zeros=0.0, world=1)  # 8 entries: one word's bytes
 def test_levels_round_trip_and_aggregate_is_the_sum_of_decodes(sizes, levels, dtype, seed, zeros, world):
     info = layout(sizes, dtype)
     comps = [QSGDCompressor(levels, seed=r) for r in range(world)]
