@@ -245,8 +245,8 @@ class Memory(Checkpointed, ABC):
         ``compressor.decompress`` of it, tells)."""
 
     def flush(self, bucket: BucketInfo, like: torch.Tensor) -> torch.Tensor | None:
-        """What is held back for ``bucket`` (flat, laid out like it and like ``like``, its gradient), removed, so that another method sends it
-        (``auto`` switching methods); None when nothing is held, the default."""
+        """What is held back for ``bucket`` (flat, laid out like it and like ``like``, its gradient), removed, so that
+        another method sends it (``auto`` switching methods); None when nothing is held, the default."""
         return None
 
 
