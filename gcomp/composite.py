@@ -44,6 +44,11 @@ class Composite(MethodUnit):
         return any(p.error_feedback for p in self.parts)
 
     @property
+    def host_syncs(self) -> int:
+        """Each bucket goes through its parts: at most what all of them may make."""
+        return sum(p.host_syncs for p in self.parts)
+
+    @property
     def keeps_state(self) -> bool:
         return any(p.keeps_state for p in self.parts)
 

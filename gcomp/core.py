@@ -160,6 +160,9 @@ class Compressor(Checkpointed, ABC):
     # True when the codec itself keeps gradient it did not send, for later steps (error feedback inside the
     # codec: PowerSGD's error, DGC's velocity); ``flush`` then hands it back.
     holds_gradient: ClassVar[bool] = False
+    # Host synchronisations one bucket's encode and decode may make on the device path (``gcomp.kernels``): none,
+    # but where the payload's size depends on the data (``gcomp.testing.ops`` counts them).
+    host_syncs: ClassVar[int] = 0
 
     def bind(self, model: torch.nn.Module | None, group: dist.ProcessGroup | None, stats: dict) -> None:
         """Called once when the hook is set up, with the DDP model's module, the process group and the hook's
@@ -262,6 +265,7 @@ class Communicator(ABC):
 
     collective: ClassVar[str] = ALLREDUCE
     stat_keys: ClassVar[tuple[str, ...]] = ()  # extra counters this communicator adds to ``HookState.stats``
+    host_syncs: ClassVar[int] = 0  # as ``Compressor.host_syncs``: a size read on the host before a collective
 
     @abstractmethod
     def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None,

@@ -36,6 +36,7 @@ class MethodUnit(Checkpointed, ABC):
       to (pruning masks); ``decodes_alone``: the result is the sum of each rank's payload decoded alone;
       ``depends_on_layout``: the result depends on where DDP lays each parameter; ``error_feedback``: it keeps
       what it did not send and adds it to a later step; ``stat_keys``: counters it adds to the state's stats;
+      ``host_syncs``: host synchronisations one bucket may make on the device path (``gcomp.kernels``);
     - ``row_strategy``: how it serves FSDP2's reduce-scatter (``gcomp.sharding``), None when it cannot.
 
     Checkpoints: ``gcomp.core.Checkpointed``'s protocol (``state_dict``, ``load_state_dict``, ``replicated``,
@@ -52,6 +53,7 @@ class MethodUnit(Checkpointed, ABC):
     depends_on_layout: bool = False
     error_feedback: bool = False
     stat_keys: tuple[str, ...] = ()
+    host_syncs: int = 0
     row_strategy: RowStrategy | None = None
 
     def watch(self, ddp: torch.nn.Module) -> None:
@@ -131,6 +133,10 @@ class Method(MethodUnit):
     def error_feedback(self) -> bool:
         """True when its ``Memory`` keeps what was not sent (a residual per bucket)."""
         return self.memory.stateful
+
+    @property
+    def host_syncs(self) -> int:
+        return self.compressor.host_syncs + self.communicator.host_syncs
 
     @property
     def stat_keys(self) -> tuple[str, ...]:

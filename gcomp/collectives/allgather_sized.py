@@ -23,6 +23,7 @@ class SizedAllgatherCommunicator(Communicator):
 
     collective = ALLGATHER
     stat_keys = ("padding_bytes",)
+    host_syncs = 1  # the longest length, read to pad
 
     def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None,
                  stats: dict | None = None) -> torch.futures.Future:

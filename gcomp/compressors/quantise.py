@@ -9,14 +9,15 @@ code may draw from too (data order, initialisation): two streams meant to be ind
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from abc import abstractmethod
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
 from gcomp.core import Compressor, check_state
+from gcomp.kernels import on_device, segments
 
 _SEED_BITS = 63  # torch seeds are 64-bit; staying below the sign bit keeps every API happy
 
@@ -106,8 +107,11 @@ def segment_lengths(bucket: BucketInfo, n: int) -> tuple[int, ...]:
 
 def per_segment_(x: torch.Tensor, scales: torch.Tensor, lengths: tuple[int, ...], op) -> torch.Tensor:
     """``op(segment, its scale)`` in place for each segment along the last dimension of ``x`` (``scales``:
-    one per segment along its last dimension). A loop over parameters, not entries: it needs no per-entry
-    index tensor (as large as the bucket), and ``repeat_interleave`` is far slower on CPU."""
+    one per segment along its last dimension). On the CPU a loop over parameters, not entries: it needs no
+    per-entry index tensor (as large as the bucket), and ``repeat_interleave`` is far slower there; on the device
+    path one operation for every segment (``gcomp.kernels.segments``)."""
+    if on_device(x):
+        return segments.per_segment_(x, scales, lengths, op)
     for view, scale in zip(torch.split(x, lengths, dim=-1), scales.unbind(-1)):
         if view.numel():
             op(view, scale.unsqueeze(-1))
@@ -120,7 +124,10 @@ def segment_scales(values: torch.Tensor, lengths: tuple[int, ...], clip: float =
     positive: a constant segment (one entry, say) has std 0 and keeps its max, so it is neither zeroed nor,
     with ``clip = inf``, turned into NaN. ``magnitudes`` may hold ``|values|`` already; ``out`` the result.
     Without ``magnitudes`` the max is ``max(max, -min)``, read straight from ``values`` (no ``|values|``
-    temporary as large as the bucket); NaN stays NaN."""
+    temporary as large as the bucket); NaN stays NaN. On the device path: segment reductions
+    (``gcomp.kernels.segments``)."""
+    if on_device(values):
+        return segments.segment_scales(values, lengths, clip, magnitudes, out)
     out = torch.zeros(len(lengths), dtype=values.dtype, device=values.device) if out is None else out
     start = 0
     for j, n in enumerate(lengths):  # a loop over parameters, not entries

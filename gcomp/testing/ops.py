@@ -1,0 +1,179 @@
+"""What one bucket's reduction costs on the device path, counted on any machine: its aten operations (on an
+accelerator each is a kernel launch) and those of them that synchronise the host with a CUDA device.
+
+``count_reduction`` runs a method through a ``HookState`` on a bucket of ``params`` parameters and ``numel``
+entries under ``gcomp.kernels.forced("cuda")`` (every codec on its device path, here on CPU tensors), its
+collectives waited for at launch so that their callbacks, the decodes, run on this thread, where a
+``TorchDispatchMode`` sees every operation. It needs a process group of one rank (``gcomp.testing.run_ranks``).
+
+A device path is bucket-wide when its count does not grow with the bucket's number of parameters or entries, and
+synchronises only where a method declares it (``Compressor.host_syncs``: ``threshold``'s counts).
+"""
+from __future__ import annotations
+
+import collections
+import warnings
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gcomp
+from gcomp.kernels import forced
+from gcomp.testing.buckets import FakeBucket
+
+# aten operations that wait for a CUDA device: a value read on the host, or an output whose size depends on the data
+SYNCING = frozenset({"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+                     "unique_consecutive", "unique_dim", "unique_dim_consecutive", "equal", "is_nonzero",
+                     "nonzero_static_sync", "tolist", "cpu", "numpy"})
+# collectives a communicator launches asynchronously: waited for at once while counting
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast",
+               "reduce_scatter_tensor")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten operation dispatched on this thread, and those in ``SYNCING`` apart (``repeat_interleave``
+    without an output size among them: its length is read on the host)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.syncs: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        if name in SYNCING or name == "repeat_interleave" and kwargs.get("output_size") is None:
+            self.syncs[name] += 1
+        return func(*args, **kwargs)
+
+    def host_read(self, name: str) -> None:
+        """A read of a tensor's values on the host that dispatches no aten operation (``tolist``, ``numpy``)."""
+        self.syncs[name] += 1
+
+
+@contextmanager
+def counting() -> Iterator[OpCounter]:
+    """An ``OpCounter`` over the block, ``Tensor.tolist``, ``.numpy`` and ``.cpu`` counted as host reads too (they
+    dispatch nothing on a CPU tensor, and synchronise with a CUDA one)."""
+    counter = OpCounter()
+    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
+
+    def reading(name):
+        def read(self, *args, **kwargs):
+            counter.host_read(name)
+            return saved[name](self, *args, **kwargs)
+        return read
+
+    for name in saved:
+        setattr(torch.Tensor, name, reading(name))
+    try:
+        with counter:
+            yield counter
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@contextmanager
+def inline_collectives() -> Iterator[None]:
+    """Every collective launched asynchronously is waited for before it returns, so that the callbacks chained on
+    its future (the decodes) run at once, on the launching thread."""
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def waited(fn):
+        def call(*args, **kwargs):
+            work = fn(*args, **kwargs)
+            if kwargs.get("async_op") and work is not None:
+                work.wait()
+            return work
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, waited(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def holder(params: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A module of ``params`` matrices of 16 rows holding ``numel`` entries in all (``numel`` a multiple of 16
+    ``params``)."""
+    module = torch.nn.Module()
+    cols = numel // (16 * params)
+    if cols < 1 or cols * 16 * params != numel:
+        raise ValueError(f"holder: {numel} entries do not make {params} matrices of 16 rows")
+    for i in range(params):
+        module.register_parameter(f"w{i}", torch.nn.Parameter(torch.zeros(16, cols, dtype=dtype)))
+    return module
+
+
+def count_reduction(make: Callable[[], gcomp.MethodUnit], params: int, numel: int, warm_steps: int = 4,
+                    prune: float = 0.5, seed: int = 0) -> dict:
+    """``{"ops": Counter, "syncs": Counter}`` of the reduction of one bucket of ``params`` parameters and ``numel``
+    fp32 entries through a ``HookState`` of ``make()``, on its device path, after ``warm_steps`` steps (so a
+    tracker has frozen its support and buffers are allocated). A method that reads pruning masks gets the model
+    pruned to ``prune`` at random first. One rank of a process group must be running."""
+    module = holder(params, numel)
+    method = make()
+    if method.reads_model:
+        for name, _ in list(module.named_parameters()):
+            torch.nn.utils.prune.random_unstructured(module, name, amount=prune)
+    bucket_params = list(module.parameters())[::-1]
+    generator = torch.Generator().manual_seed(seed)
+    with forced("cuda"), inline_collectives(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one node, no masks: the methods' own notes, not the counts'
+        state = gcomp.HookState(method, module, None)
+        state.warmup = 0
+        for _ in range(warm_steps):
+            state.reduce(FakeBucket(torch.randn(numel, generator=generator), 0, True, bucket_params)).wait()
+        bucket = torch.randn(numel, generator=generator)
+        with counting() as counter:
+            state.reduce(FakeBucket(bucket, 0, True, bucket_params)).wait()
+    return {"ops": counter.ops, "syncs": counter.syncs}
+
+
+# the bucket shapes the device path is counted on: (parameters, entries)
+CONFIGS = ((4, 1 << 16), (64, 1 << 16), (4, 1 << 24))
+
+
+def spec_maker(spec: str) -> Callable[[], gcomp.MethodUnit]:
+    """``gcomp.registry.from_spec(spec)``, as a callable ``count_reduction`` can make afresh."""
+    from gcomp.registry import from_spec
+    return lambda: from_spec(spec)
+
+
+def job_device_counts(specs: list[str], configs=CONFIGS) -> dict:
+    """Every rank: ``count_reduction`` of each method spec on each ``(parameters, entries)`` bucket; returns
+    ``{(spec, parameters, entries): {"ops": {...}, "syncs": {...}}}`` as plain dicts."""
+    out = {}
+    for spec in specs:
+        for params, numel in configs:
+            counts = count_reduction(spec_maker(spec), params, numel)
+            out[(spec, params, numel)] = {"ops": dict(counts["ops"]), "syncs": dict(counts["syncs"])}
+    return out
+
+
+def check_bounded(spec: str, counts: dict, declared: int, configs=CONFIGS) -> None:
+    """AssertionError unless the device path's operations do not grow from the first bucket of ``configs`` to the
+    others (more parameters, more entries) and no bucket synchronises more than ``declared`` times."""
+    base = counts[(spec, *configs[0])]
+    base_ops = sum(base["ops"].values())
+    problems = []
+    for params, numel in configs:
+        got = counts[(spec, params, numel)]
+        ops, syncs = sum(got["ops"].values()), sum(got["syncs"].values())
+        if ops > base_ops:
+            grew = {k: v - base["ops"].get(k, 0) for k, v in got["ops"].items() if v > base["ops"].get(k, 0)}
+            problems.append(f"{params} parameters, {numel} entries: {ops} operations against {base_ops} for "
+                            f"{configs[0][0]} parameters, {configs[0][1]} entries (more of: {grew})")
+        if syncs > declared:
+            problems.append(f"{params} parameters, {numel} entries: {syncs} host synchronisations {got['syncs']}, "
+                            f"{declared} declared")
+    if problems:
+        raise AssertionError(f"{spec} on its device path: " + "; ".join(problems))
