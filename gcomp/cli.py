@@ -34,6 +34,8 @@ def _bench(args) -> int:
     from gcomp.bench import race, report, runner
     if args.codec:
         return _codec(args)
+    if args.overhead:
+        return _overhead(args)
     config = runner.BenchConfig()
     for key in ("dataset", "model", "workers", "bandwidth", "steps", "batch", "lr", "seed", "seeds", "eval_every",
                 "pretrain_epochs", "prune_method", "target_accuracy", "data_dir", "cache_dir", "device", "backend"):
@@ -97,6 +99,38 @@ def _ratios(text: str) -> float | list[float]:
     return values[0] if len(values) == 1 else values
 
 
+def _overhead(args) -> int:
+    import json
+    from pathlib import Path
+
+    from gcomp.bench import overhead
+    from gcomp.bench.devices import check_device
+    config = overhead.OverheadConfig(device=args.device or "cpu")
+    for key in ("model", "steps", "batch", "seed", "lr", "warmup", "profile_steps"):
+        if getattr(args, key) is not None:
+            setattr(config, key, getattr(args, key))
+    if args.method:
+        config.methods = [m for item in args.method for m in item.split(";") if m]
+    try:
+        check_device(config.device)
+        rows = overhead.run(config)
+    except ValueError as err:
+        print(f"gcomp bench --overhead: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"bench-results/overhead-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.json").write_text(json.dumps({"config": overhead.as_dict(config.resolved()), "rows": rows},
+                                                  indent=1))
+    first = rows[0]
+    print(f"\n{first.get('model')} (batch {first.get('batch')}), {first.get('world')} rank(s) on {first.get('device')}"
+          f"\n\n{overhead.markdown(rows)}\n\noverhead.json: {out}")
+    failed = [r["method"] for r in rows if "error" in r]
+    if failed:
+        print(f"gcomp bench --overhead: failed: {', '.join(failed)}; their errors are in overhead.json",
+              file=sys.stderr)
+    return 1 if rows[0].get("error") else 0
+
+
 def _codec(args) -> int:
     import csv
     import json
@@ -149,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--method", action="append", metavar="SPEC", help="a method (name or name:key=value,...; "
                    "torch:allreduce, torch:fp16, torch:powersgd); repeatable; default: the README's comparison")
     b.add_argument("--dataset", help="digits, text, cifar10, cifar100 or synthetic")
-    b.add_argument("--model", help="mlp[:W1,W2], resnet18, vgg19, vit or charlm")
+    b.add_argument("--model", help="mlp[:W1,W2], resnet18, vgg19, vit or charlm (--overhead: resnet50, "
+                   "decoder[:WIDTH,DEPTH] or mlp[:W1,W2])")
     b.add_argument("--workers", type=int)
     b.add_argument("--bandwidth", help="per-link limit: 100mbit, 500mbit, 1gbit, ... or none; a comma-separated "
                    "list sweeps them (100mbit,500mbit,1gbit); a list with RATE@STEP is a schedule within every "
@@ -175,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
                    "torch:allreduce, identity, fp16, pactrain, spardl)")
     b.add_argument("--codec", action="store_true", help="instead: every method's encode+decode and reduction "
                    "time on one rank as a ratio to a copy of the bucket, GB/s, bits per entry and peak extra memory")
+    b.add_argument("--overhead", action="store_true", help="instead: what each method adds to a real training step "
+                   "beside plain DDP and PyTorch's fp16, bf16 and PowerSGD hooks (one rank per GPU: ResNet-50 or a "
+                   "GPT-2-small-sized decoder, bf16; on the CPU a small MLP), with the codec's share")
+    b.add_argument("--warmup", type=int, help="--overhead: steps before timing (default 5)")
+    b.add_argument("--profile-steps", type=int, dest="profile_steps", help="--overhead: steps profiled (default 3)")
     b.add_argument("--device", choices=["cpu", "cuda"], help="where tensors live: cpu (the default) or cuda (one "
                    "GPU per worker, cuda:LOCAL_RANK; --codec: the current GPU, timed with CUDA events)")
     b.add_argument("--backend", choices=["gloo", "nccl"], help="the workers' process group: gloo (the default) or "

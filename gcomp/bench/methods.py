@@ -1,9 +1,9 @@
 """What a benchmark compares: gcomp methods by name with parameters, and PyTorch's own DDP hooks beside them.
 
 A method spec is ``name`` or ``name:key=value,key=value`` (``pactrain:ternary=true``, ``topk:ratio=0.01``) for
-a registered gcomp method, or ``torch:allreduce``, ``torch:fp16``, ``torch:powersgd`` for PyTorch's hooks,
-installed through ``register_comm_hook`` and wrapped so that the bytes they hand to collectives are counted
-like gcomp's ``bytes_sent``.
+a registered gcomp method, or ``torch:allreduce``, ``torch:fp16``, ``torch:bf16``, ``torch:powersgd`` for
+PyTorch's hooks, installed through ``register_comm_hook`` and wrapped so that the bytes they hand to collectives
+are counted like gcomp's ``bytes_sent``.
 
 No ``from __future__ import annotations`` here: DDP checks a hook's return annotation against the real
 ``torch.futures.Future[torch.Tensor]``.
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import gcomp
 from gcomp.registry import parse_spec
 
-TORCH_HOOKS = ("torch:allreduce", "torch:fp16", "torch:powersgd")
+TORCH_HOOKS = ("torch:allreduce", "torch:fp16", "torch:bf16", "torch:powersgd")
 PRUNED = ("pactrain", "prunex")  # methods that fine-tune a pruned model (the PacTrain workflow)
 POWERSGD_RANK = 2
 
@@ -76,6 +76,8 @@ class TorchHook:
             hook, state, self._bytes = default_hooks.allreduce_hook, group, lambda b: b.buffer().numel() * 4
         elif name == "torch:fp16":
             hook, state, self._bytes = default_hooks.fp16_compress_hook, group, lambda b: b.buffer().numel() * 2
+        elif name == "torch:bf16":
+            hook, state, self._bytes = default_hooks.bf16_compress_hook, group, lambda b: b.buffer().numel() * 2
         else:
             if torch.cuda.is_available() and next(ddp.parameters()).device.type == "cpu":
                 raise ValueError("torch:powersgd: PyTorch's PowerSGD hook calls torch.cuda.synchronize on the "
