@@ -139,10 +139,14 @@ def _codec(args) -> int:
     from gcomp.bench import codec_table
     methods = [m for item in args.method for m in item.split(";") if m] if args.method else None
     from gcomp.bench.devices import check_device
-    unknown = [m for m in methods or [] if m not in gcomp.available()]
-    if unknown:
-        print(f"gcomp bench --codec: unknown method(s) {', '.join(unknown)}; gcomp list shows them", file=sys.stderr)
-        return 2
+    from gcomp.bench.methods import parse_method
+    for text in methods or []:
+        try:
+            if parse_method(text).is_torch and text not in codec_table.EXTRA_ROWS:
+                raise ValueError("of PyTorch's hooks it times torch:powersgd")
+        except ValueError as err:
+            print(f"gcomp bench --codec: {text}: {err}", file=sys.stderr)
+            return 2
     try:
         check_device(args.device or "cpu")
         if args.backend not in (None, "nccl" if args.device == "cuda" else "gloo"):

@@ -21,6 +21,7 @@ from gcomp.bucket import BucketInfo
 from gcomp.collectives.counting import timed
 from gcomp.core import Checkpointed, Communicator, Compressor, Memory
 from gcomp.device_future import then_on
+from gcomp.kernels import streams
 from gcomp.sharding import RowStrategy, ShardLayout
 
 
@@ -161,7 +162,10 @@ class Method(MethodUnit):
     # --- the pipelines ------------------------------------------------------------------------------------------
 
     def reduce(self, buffer, bucket, group, stats):
-        """Compensate, compress, update the memory, exchange, decode (``gcomp.core``'s pipeline)."""
+        """Compensate, compress, update the memory, exchange, decode (``gcomp.core``'s pipeline); on CUDA with
+        side streams enabled, encode and decode on the device's codec stream (``gcomp.kernels.streams``)."""
+        if streams.applies(buffer):
+            return self._reduce_beside(buffer, bucket, group, stats)
         with timed(stats, "encode_s"):
             compensated = self.memory.compensate(buffer, bucket)
             payload = self.compressor.compress(compensated, bucket)
@@ -174,6 +178,32 @@ class Method(MethodUnit):
                 return communicator.decode(fut.value(), compressor, payload.ctx)
 
         return then_on(communicator.exchange(payload, compressor, group, stats), decode, buffer.device)
+
+    def _reduce_beside(self, buffer, bucket, group, stats):
+        """``reduce`` with its encode and decode on the codec stream, ordered by events
+        (``gcomp.kernels.streams`` says how)."""
+        device, reader = buffer.device, torch.cuda.current_stream(buffer.device)
+        side = streams.side_stream(device)
+        side.wait_stream(reader)  # the bucket's gradients are ready
+        with torch.cuda.stream(side):
+            with timed(stats, "encode_s"):
+                compensated = self.memory.compensate(buffer, bucket)
+                payload = self.compressor.compress(compensated, bucket)
+                self.memory.update(compensated, bucket, self.compressor, payload)
+            stats["bytes_sent"] += payload.nbytes
+            exchanged = self.communicator.exchange(payload, self.compressor, group, stats)  # NCCL waits for side
+        communicator, compressor = self.communicator, self.compressor
+
+        def decode(fut: torch.futures.Future) -> torch.Tensor:
+            here = torch.cuda.current_stream(device)  # waited for the collective
+            side.wait_stream(here)
+            with torch.cuda.stream(side), timed(stats, "decode_s"):
+                out = communicator.decode(fut.value(), compressor, payload.ctx)
+            here.wait_stream(side)  # the future's event, recorded on ``here``, covers the decode
+            out.record_stream(reader)
+            return out
+
+        return then_on(exchanged, decode, device)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, layout: ShardLayout,
                        group: dist.ProcessGroup, stats: dict) -> None:

@@ -16,7 +16,9 @@ copy and only the method's own work remains), the hook reduces one fp32 bucket, 
   distance between ``encode + decode / copy`` and the floor is what a codec could still gain.
 
 ``pactrain`` runs on a bucket pruned at random at 0.5 and ``prunex`` on one with half its rows pruned, both
-after their tracker froze the support; every other method on a dense random bucket. Times are medians,
+after their tracker froze the support; every other method on a dense random bucket. Beside every registered
+method with its defaults, ``pactrain:ternary=true`` and PyTorch's ``powerSGD_hook`` on the same bucket
+(``torch:powersgd``, rank 2: ``codec_hooks``; it has no codec timers, so its ``encode+decode`` cell is n/a). Times are medians,
 operations interleaved within every repeat (``gcomp.bench.timing.median_times``): wall-clock on the CPU.
 
 - ``reduce GB/s``: the bucket's bytes over the reduction's time (``copy GB/s`` likewise for the copy, printed
@@ -51,11 +53,14 @@ from torch.nn.utils import prune as torch_prune
 
 import gcomp
 from gcomp.bench.allocations import measure_allocations
+from gcomp.bench.codec_hooks import TorchHookState
 from gcomp.bench.runner import free_port
 from gcomp.bench.timing import CudaEventClock, median_times
+from gcomp.registry import parse_spec
 
 ROW_WIDTH = 256  # the pruned buckets are (numel / 256, 256) weights
 FROZEN_AFTER = 4  # reductions before timing: pactrain/prunex (stable_steps=1) have frozen by then
+EXTRA_ROWS = ("pactrain:ternary=true", "torch:powersgd")  # beside every registered method's defaults
 
 
 class _Bucket:
@@ -75,6 +80,9 @@ class _Bucket:
 
     def parameters(self) -> list[nn.Parameter]:
         return self._params
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [self._buffer.view(self._params[0].shape)]
 
 
 def _holder(name: str, numel: int, generator: torch.Generator) -> nn.Module:
@@ -114,17 +122,22 @@ def one_rank_group(device: torch.device) -> bool:
     return True
 
 
-def reducer(name: str, numel: int, generator: torch.Generator, device="cpu"):
-    """``(state, reduce, source)``: the hook state of method ``name`` (its defaults) on a bucket of ``numel``
-    fp32 entries on ``device``, warmed up until its support is frozen, and ``reduce()``, which refills the
-    bucket from ``source`` and reduces it through the hook (a one-rank group must be running)."""
+def reducer(spec: str, numel: int, generator: torch.Generator, device="cpu"):
+    """``(state, reduce, source)``: the hook state of method ``spec`` (a name with its defaults, or
+    ``name:key=value,...``; ``torch:powersgd``: PyTorch's hook, ``codec_hooks``) on a bucket of ``numel`` fp32
+    entries on ``device``, warmed up until its support is frozen, and ``reduce()``, which refills the bucket from
+    ``source`` and reduces it through the hook (a one-rank group must be running)."""
     device = torch.device(device)
+    name, params = (spec, {}) if spec.startswith("torch:") else parse_spec(spec)
     model = _holder(name, numel, generator).to(device)
     param = next(model.parameters())
     ddp = nn.parallel.DistributedDataParallel(model)
-    params = {"stable_steps": 1} if name in ("pactrain", "prunex") else {}
-    state = gcomp.HookState(gcomp.create(name, **params), ddp, None)
-    state.warmup = 0
+    if name.startswith("torch:"):
+        state = TorchHookState(name, ddp)
+    else:
+        params = {**({"stable_steps": 1} if name in ("pactrain", "prunex") else {}), **params}
+        state = gcomp.HookState(gcomp.create(name, **params), ddp, None)
+        state.warmup = 0
     source = torch.randn(numel, generator=generator).to(device)
     if name == "pactrain":
         source.mul_(model.weight_mask.reshape(-1))
@@ -158,9 +171,14 @@ def measure(name: str, numel: int, repeats: int, generator: torch.Generator, dev
             "codec_s": codec, "codec_clock": "host" if device.type == "cuda" else "wall",
             "codec_ratio": codec / copy_s, "reduce_s": reduce_s, "reduce_ratio": reduce_s / copy_s,
             "copy_gbps": gbps(bucket_bytes, copy_s), "reduce_gbps": gbps(bucket_bytes, reduce_s),
-            "bits_per_entry": bits, "floor": floor(name, bits, state.method.error_feedback),
+            "bits_per_entry": bits, "floor": floor(name, bits, _error_feedback(state)),
             "peak_extra_frac": memory.peak_extra_bytes / bucket_bytes,
             "largest_alloc_frac": memory.largest_bytes / bucket_bytes}
+
+
+def _error_feedback(state) -> bool:
+    """Whether the reduction keeps a residual: a gcomp method's trait, or PyTorch's hook's (``TorchHookState``)."""
+    return state.method.error_feedback if isinstance(state, gcomp.HookState) else state.error_feedback
 
 
 def gbps(nbytes: float, seconds: float) -> float:
@@ -175,6 +193,11 @@ def floor(name: str, bits_per_entry: float, residual: bool) -> float:
     return 1.0 + bits_per_entry / 32 + (1.0 if residual else 0.0)
 
 
+def default_rows() -> list[str]:
+    """Every registered method, then the configurations and PyTorch hooks the table holds beside them."""
+    return gcomp.available() + list(EXTRA_ROWS)
+
+
 def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, log=print,
         device: str = "cpu") -> list[dict]:
     device = table_device(device)
@@ -185,7 +208,7 @@ def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, 
         rows = []
         for size in sizes_mb:
             numel = bucket_numel(size)
-            for name in methods or gcomp.available():
+            for name in methods or default_rows():
                 try:
                     rows.append(measure(name, numel, repeats, torch.Generator().manual_seed(seed), device))
                 except Exception as err:  # noqa: BLE001 -- one method's failure is its row; the others go on

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 
 import pytest
@@ -344,3 +345,19 @@ def test_a_worker_synchronises_the_device_around_every_timed_step(monkeypatch):
             dist.destroy_process_group()
     assert len(calls) == 2 * (3 + worker.COMPUTE_SAMPLES) and set(calls) == {torch.device("cpu")}
     assert row["steps"] == 3
+
+
+def test_codec_table_holds_pactrain_ternary_and_pytorchs_powersgd_beside_ours(tmp_path, capsys):
+    from gcomp.bench import codec_table
+    assert codec_table.default_rows()[-2:] == ["pactrain:ternary=true", "torch:powersgd"]
+    out = tmp_path / "codec"
+    assert main(["bench", "--codec", "--sizes-mb", "0.25", "--method", "pactrain:ternary=true;torch:powersgd;powersgd",
+                 "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "codec.json").read_text())}
+    assert "error" not in rows["torch:powersgd"] and "error" not in rows["pactrain:ternary=true"], rows
+    assert 0.9 < rows["pactrain:ternary=true"]["bits_per_entry"] < 1.2  # 2-bit fields for the kept half, one rank
+    # PyTorch's hook at rank 2 on the 256 x 256 matrix: P and Q, (256 + 256) * 2 fp32 values for 65,536 entries
+    assert rows["torch:powersgd"]["bits_per_entry"] == (256 + 256) * 2 * 32 / 65536
+    assert math.isnan(rows["torch:powersgd"]["codec_ratio"]) and rows["torch:powersgd"]["reduce_s"] > 0
+    assert main(["bench", "--codec", "--method", "torch:fp16", "--out", str(tmp_path / "x")]) == 2
+    assert "of PyTorch's hooks it times torch:powersgd" in capsys.readouterr().err
