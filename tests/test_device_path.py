@@ -75,3 +75,15 @@ def test_the_device_path_keeps_the_contracts(name):
     gcomp.testing.check_method(name, world_sizes=(2, 3), contracts=["reduce", "homomorphism", "lossless",
                                                                     "conservation", "nonfinite"],
                                examples=8, device_path=True)
+
+
+def test_side_streams_are_off_by_default_and_only_for_cuda_tensors(monkeypatch):
+    from gcomp.kernels import streams
+    monkeypatch.delenv(streams.ENV, raising=False)
+    assert not streams.enabled()
+    with streams.codec_stream():
+        assert streams.enabled() and not streams.applies(torch.ones(2))  # a CPU tensor's codec stays where it is
+        with streams.codec_stream(False):
+            assert not streams.enabled()
+    monkeypatch.setenv(streams.ENV, "1")
+    assert streams.enabled()

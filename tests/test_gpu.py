@@ -1,8 +1,10 @@
 """gcomp on CUDA tensors: ``pytest -m gpu`` on a machine with a GPU; skipped, with the reason, where none is.
 
 - every registered method through the hook on one rank with NCCL (a subprocess: one NCCL group for all of
-  them): a few DDP training steps, parameters finite, and equal to plain DDP's for the lossless methods; then
-  ``gcomp bench --codec --device cuda``'s table in the same group;
+  them): a few DDP training steps, parameters finite, and equal to plain DDP's for the lossless methods, and
+  bit for bit the same with the codec on its side stream (``gcomp.kernels.streams``); one bucket's reduction
+  under ``torch.cuda.set_sync_debug_mode("warn")``, no more synchronisations than the method declares; then
+  ``gcomp bench --codec --device cuda``'s table in the same group, and ``gcomp bench --overhead`` on the GPU;
 - every method on 2 gloo ranks sharing the GPU, where gloo runs the method's collectives on CUDA tensors
   (broadcast and all_reduce; not send/recv, so the point-to-point schedules are skipped, and a collective that
   gloo refuses on CUDA skips its method with gloo's message): replicas identical, lossless methods equal to
@@ -65,12 +67,39 @@ def train(name: str | None, device: torch.device, pruned: bool) -> dict:
     return {"params": params, "finite": bool(torch.isfinite(params).all())}
 
 
-def _train_with_reference(name: str, device: torch.device) -> dict:
+def _train_with_reference(name: str, device: torch.device, streams_too: bool = False) -> dict:
     try:
         out = train(name, device, name in PRUNED)
         if name in LOSSLESS:
             out["reference"] = train(None, device, name in PRUNED)["params"]
+        if streams_too:  # the same run with every codec on the side stream (gcomp.kernels.streams)
+            from gcomp.kernels.streams import codec_stream
+            with codec_stream():
+                out["side_stream"] = train(name, device, name in PRUNED)["params"]
         return out
+    except Exception:  # noqa: BLE001 -- the test reports it, naming the method
+        return {"error": traceback.format_exc()}
+
+
+def _syncs(name: str, device: torch.device) -> dict:
+    """One bucket's reduction of ``name`` (the codec table's, warmed up) under ``set_sync_debug_mode("warn")``: how
+    many host synchronisations it made, and how many the method declares."""
+    import warnings
+
+    from gcomp.bench import codec_table
+    try:
+        state, reduce, _ = codec_table.reducer(name, codec_table.bucket_numel(4), torch.Generator().manual_seed(0),
+                                               device)
+        torch.cuda.synchronize(device)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                reduce()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        made = sum("synchroniz" in str(w.message) for w in caught)
+        return {"made": made, "declared": state.method.host_syncs}
     except Exception:  # noqa: BLE001 -- the test reports it, naming the method
         return {"error": traceback.format_exc()}
 
@@ -83,7 +112,8 @@ def nccl_job(out_path: str) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=120))
     try:
-        results = {name: _train_with_reference(name, device) for name in METHODS}
+        results = {name: _train_with_reference(name, device, streams_too=True) for name in METHODS}
+        results["syncs"] = {name: _syncs(name, device) for name in METHODS}
         results["codec_table"] = codec_table.run((1,), repeats=1, log=lambda text: None, device="cuda")
     finally:
         dist.destroy_process_group()
@@ -121,11 +151,40 @@ def test_every_method_trains_on_one_nccl_rank(nccl_results, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_gives_the_same_result_with_its_codec_on_the_side_stream(nccl_results, name):
+    result = nccl_results[name]
+    assert "error" not in result, result["error"]
+    assert torch.equal(result["side_stream"], result["params"]), f"{name}: the side stream changed the result"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_syncs_the_host_no_more_than_it_declares(nccl_results, name):
+    syncs = nccl_results["syncs"][name]
+    assert "error" not in syncs, syncs["error"]
+    assert syncs["made"] <= syncs["declared"], f"{name}: {syncs['made']} synchronisations, {syncs['declared']} declared"
+
+
+@pytest.mark.slow
+def test_overhead_bench_on_cuda(tmp_path):
+    out = tmp_path / "ovh"
+    done = subprocess.run([sys.executable, "-m", "gcomp", "bench", "--overhead", "--device", "cuda", "--model",
+                           "decoder:256,2", "--steps", "5", "--warmup", "2", "--method", "fp16;topk;torch:powersgd",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    rows = json.loads((out / "overhead.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["ddp", "fp16", "topk", "torch:powersgd"]
+    assert all("error" not in r and r["device"] == "cuda" and r["step_ms"] > 0 and r["device_ms"] >= 0 for r in rows)
+
+
+@pytest.mark.slow
 def test_codec_table_on_cuda_times_every_method(nccl_results):
     rows = nccl_results["codec_table"]
     failed = {r["method"]: r["error"] for r in rows if "error" in r}
     assert not failed, failed
-    assert {r["method"] for r in rows} == set(METHODS) and all(r["device"] == "cuda" for r in rows)
+    assert {r["method"] for r in rows} == set(METHODS) | {"pactrain:ternary=true", "torch:powersgd"}
+    assert all(r["device"] == "cuda" for r in rows)
     for r in rows:
         assert r["copy_s"] > 0 and r["copy_gbps"] > 0, r
         assert math.isfinite(r["peak_extra_frac"]) and r["peak_extra_frac"] >= 0, r
