@@ -52,7 +52,8 @@ def test_the_counter_sees_host_reads_and_data_dependent_shapes():
         x.tolist()
         torch.repeat_interleave(x, torch.full((6,), 2))
         torch.repeat_interleave(x, torch.full((6,), 2), output_size=12)
-    assert counter.syncs == {"_local_scalar_dense": 1, "nonzero": 1, "tolist": 1, "repeat_interleave": 1}
+    # the item, and the two values repeat_interleave reads without an output size (none with one)
+    assert counter.syncs == {"_local_scalar_dense": 3, "nonzero": 1, "tolist": 1}
     assert isinstance(counter, OpCounter) and counter.ops["repeat_interleave"] == 2
 
 
@@ -87,3 +88,15 @@ def test_side_streams_are_off_by_default_and_only_for_cuda_tensors(monkeypatch):
             assert not streams.enabled()
     monkeypatch.setenv(streams.ENV, "1")
     assert streams.enabled()
+
+
+def test_syncs_inside_an_operation_are_counted_too():
+    """``segment_reduce`` checks its lengths on the host unless told not to: two syncs the dispatch mode alone does
+    not see; the device path's segment reductions make none."""
+    from gcomp.kernels import segments
+    x, lengths = torch.randn(100), torch.tensor([50, 50])
+    with counting() as checked:
+        torch.segment_reduce(x, "max", lengths=lengths)
+    with counting() as trusted:
+        segments.reduce(x, (50, 50), "max")
+    assert checked.syncs["_local_scalar_dense"] == 2 and sum(trusted.syncs.values()) == 0

@@ -38,8 +38,10 @@ def reduce(values: torch.Tensor, lengths: tuple[int, ...], how: str, initial: fl
     (1-D, or 2-D: each row alike); NaN propagates; an empty segment gives ``initial`` (0 for a sum)."""
     rows = values.shape[0] if values.dim() == 2 else 0
     kwargs = {} if initial is None else {"initial": initial}
+    # unsafe: the lengths are the layout's (none negative, their sum the segments' total), so segment_reduce need
+    # not check them on the host, which is two synchronisations a call on a device
     return torch.segment_reduce(values, how, lengths=lengths_tensor(lengths, values.device, rows), axis=values.dim() - 1,
-                                **kwargs)
+                                unsafe=True, **kwargs)
 
 
 def per_segment_(x: torch.Tensor, scales: torch.Tensor, lengths: tuple[int, ...],

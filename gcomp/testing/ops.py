@@ -18,24 +18,26 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gcomp
 from gcomp.kernels import forced
 from gcomp.testing.buckets import FakeBucket
 
-# aten operations that wait for a CUDA device: a value read on the host, or an output whose size depends on the data
-SYNCING = frozenset({"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2",
-                     "unique_consecutive", "unique_dim", "unique_dim_consecutive", "equal", "is_nonzero",
-                     "nonzero_static_sync", "tolist", "cpu", "numpy"})
+# aten operations that wait for a CUDA device: a value read on the host, or an output whose size depends on the
+# data (``repeat_interleave`` without an output size reads its total by ``_local_scalar_dense``, counted as such)
+SYNCING = frozenset({"_local_scalar_dense", "nonzero", "nonzero_static_sync", "masked_select", "unique", "_unique",
+                     "_unique2", "unique_consecutive", "unique_dim", "unique_dim_consecutive", "equal", "is_nonzero"})
+HOST_READS = ("tolist", "numpy", "cpu")  # reads of a tensor's values that dispatch nothing on a CPU tensor
 # collectives a communicator launches asynchronously: waited for at once while counting
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast",
-               "reduce_scatter_tensor")
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "all_to_all_single",
+               "broadcast", "reduce_scatter_single", "reduce_scatter_tensor")
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every aten operation dispatched on this thread, and those in ``SYNCING`` apart (``repeat_interleave``
-    without an output size among them: its length is read on the host)."""
+    """Counts every aten operation dispatched on this thread (``ops``); ``syncs`` holds the host synchronisations
+    ``counting`` found."""
 
     def __init__(self):
         super().__init__()
@@ -43,39 +45,50 @@ class OpCounter(TorchDispatchMode):
         self.syncs: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        self.ops[name] += 1
-        if name in SYNCING or name == "repeat_interleave" and kwargs.get("output_size") is None:
-            self.syncs[name] += 1
-        return func(*args, **kwargs)
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
-    def host_read(self, name: str) -> None:
-        """A read of a tensor's values on the host that dispatches no aten operation (``tolist``, ``numpy``)."""
-        self.syncs[name] += 1
+
+def _synchronising(events) -> collections.Counter:
+    """The ``SYNCING`` operations among the profiler's ``events``, each counted once: not inside another one (a
+    ``nonzero`` reads its count by a ``_local_scalar_dense`` of its own), but at any depth inside other operations
+    (``segment_reduce`` checking its lengths on the host)."""
+    found: collections.Counter = collections.Counter()
+    for event in events:
+        name = event.name.removeprefix("aten::")
+        if not event.name.startswith("aten::") or name not in SYNCING:
+            continue
+        parent = event.cpu_parent
+        while parent is not None and parent.name.removeprefix("aten::") not in SYNCING:
+            parent = parent.cpu_parent
+        if parent is None:
+            found[name] += 1
+    return found
 
 
 @contextmanager
 def counting() -> Iterator[OpCounter]:
-    """An ``OpCounter`` over the block, ``Tensor.tolist``, ``.numpy`` and ``.cpu`` counted as host reads too (they
-    dispatch nothing on a CPU tensor, and synchronise with a CUDA one)."""
+    """An ``OpCounter`` over the block: its aten operations as dispatched, and its host synchronisations as the
+    profiler sees them, at every level (``_synchronising``), with ``Tensor.tolist``, ``.numpy`` and ``.cpu``
+    counted as host reads (they dispatch nothing on a CPU tensor, and synchronise with a CUDA one)."""
     counter = OpCounter()
-    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
 
     def reading(name):
         def read(self, *args, **kwargs):
-            counter.host_read(name)
+            counter.syncs[name] += 1
             return saved[name](self, *args, **kwargs)
         return read
 
     for name in saved:
         setattr(torch.Tensor, name, reading(name))
     try:
-        with counter:
+        with profile(activities=[ProfilerActivity.CPU]) as prof, counter:
             yield counter
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)
+    counter.syncs.update(_synchronising(prof.events()))
 
 
 @contextmanager
