@@ -34,8 +34,8 @@ def encode(x: torch.Tensor, layout: DeviceLayout) -> tuple[torch.Tensor, torch.T
     y = rows.gather(flat)  # (rows, ROW), padded with zeros: they count as bit 1 and are taken off below
     plus = torch.ge(y, 0)
     sums = torch.empty(3, rows.total, dtype=work, device=x.device)
-    torch.sum(torch.where(plus, 0, y), -1, dtype=work, out=sums[0])  # NaN lands here, as in the CPU path
-    torch.sum(torch.where(plus, y, 0), -1, dtype=work, out=sums[1])
+    torch.sum(torch.clamp(y, max=0), -1, dtype=work, out=sums[0])  # NaN stays NaN: it lands in bit 0's side
+    torch.nansum(torch.clamp(y, min=0), -1, dtype=work, out=sums[1])  # (and is skipped in bit 1's)
     torch.sum(plus, -1, dtype=work, out=sums[2])
     per = segments.reduce_trusted(sums.to(torch.float64), rows.rows, "sum", initial=0.0)  # (3, parts), name order
     ones = per[2].sub_(rows.constant("pads", x.device))

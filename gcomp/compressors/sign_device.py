@@ -26,6 +26,7 @@ from gcomp.compressors.sign_rows import AlignedRows
 RANK_GROUP = 32
 TABLE_BUDGET = 1 << 25
 _PLUS_MINUS: dict[str, torch.Tensor] = {}
+_OFFSETS: dict[tuple, torch.Tensor] = {}
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
@@ -58,27 +59,33 @@ def decode_one(words: torch.Tensor, n: int, table: torch.Tensor, base: torch.Ten
 
 
 def _rank_offsets(count: int, stride: int, device) -> torch.Tensor:
-    return torch.arange(0, count * stride, stride, dtype=torch.int32, device=device)
+    """``[0, stride, 2 * stride, ...]`` (int32, ``count`` of them), kept per device."""
+    key = (count, stride, str(device))
+    found = _OFFSETS.get(key)
+    if found is None:
+        found = _OFFSETS[key] = torch.arange(0, count * stride, stride, dtype=torch.int32, device=device)
+    return found
 
 
 def sum_decodes(words: torch.Tensor, n: int, tables: Callable[[int, int], torch.Tensor], classes: int = 1,
-                base: torch.Tensor | None = None) -> torch.Tensor:
+                base: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
     """The sum over ranks (rank order, fp32) of each rank's ``n`` bits of ``words`` (``(world, words)``) decoded
-    through its own tables: ``tables(a, b)`` gives those of ranks a to b - 1, ``(b - a, classes, 256, 8)`` fp32, a
-    byte of class c (``base``: int32, c * 256 per byte; class 0 for all without it) looking up table c."""
+    through its own tables: ``tables(a, b)`` gives those of ranks a to b - 1, ``(b - a, classes, 256, 8)`` fp32
+    (``shared``: ``(classes, 256, 8)``, every rank's), a byte of class c (``base``: int32, c * 256 per byte; class
+    0 for all without it) looking up table c."""
     world = words.shape[0]
     data = _bytes(words, n)  # (world, bytes)
-    per_rank = classes * 256
-    group = max(1, min(RANK_GROUP, TABLE_BUDGET // (per_rank * 8 * 4)))
+    per_rank = 0 if shared else classes * 256
+    group = max(1, min(RANK_GROUP, TABLE_BUDGET // (classes * 256 * 8 * 4)))
     total = None
     for start in range(0, world, group):  # one turn up to RANK_GROUP ranks (and tables within TABLE_BUDGET)
         stop = min(start + group, world)
         index = torch.empty((data.shape[1], stop - start), dtype=torch.int32, device=words.device)
-        ranks = data[start:stop].t()
-        if base is None:
-            torch.add(ranks, _rank_offsets(stop - start, per_rank, words.device), out=index)
-        else:
-            torch.add(ranks, base[:, None], out=index).add_(_rank_offsets(stop - start, per_rank, words.device))
+        ranks, offsets = data[start:stop].t(), base[:, None] if base is not None else None
+        if per_rank:
+            ranks_at = _rank_offsets(stop - start, per_rank, words.device)
+            offsets = ranks_at if offsets is None else offsets + ranks_at  # (bytes, ranks) int32
+        torch.add(ranks, offsets, out=index) if offsets is not None else index.copy_(ranks)
         part = F.embedding_bag(index, tables(start, stop).reshape(-1, 8), mode="sum")
         total = part if total is None else total.add_(part)
     return total.view(-1)[:n]
@@ -108,7 +115,7 @@ def aggregate(words: torch.Tensor, scales: torch.Tensor, n: int, dtype: torch.dt
         return decode(words[0], n, scales[0], dtype)
     if rule == "majority":  # (#plus - #minus) per entry, exact in fp32: its sign is the vote, ties 0
         table = plus_minus(words.device)
-        votes = sum_decodes(words, n, lambda a, b: table.expand(b - a, 1, 256, 8))
+        votes = sum_decodes(words, n, lambda a, b: table, shared=True)
         return votes.sign_().mul_(scales.sum()).to(dtype)
     scales = scales.reshape(world, 1, 1, 1)
     total = sum_decodes(words, n, lambda a, b: bitpack.bit_table(-scales[a:b], scales[a:b]))
