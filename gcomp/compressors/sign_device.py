@@ -85,7 +85,10 @@ def sum_decodes(words: torch.Tensor, n: int, tables: Callable[[int, int], torch.
         if per_rank:
             ranks_at = _rank_offsets(stop - start, per_rank, words.device)
             offsets = ranks_at if offsets is None else offsets + ranks_at  # (bytes, ranks) int32
-        torch.add(ranks, offsets, out=index) if offsets is not None else index.copy_(ranks)
+        if offsets is None:
+            index.copy_(ranks)
+        else:
+            torch.add(ranks, offsets, out=index)
         part = F.embedding_bag(index, tables(start, stop).reshape(-1, 8), mode="sum")
         total = part if total is None else total.add_(part)
     return total.view(-1)[:n]

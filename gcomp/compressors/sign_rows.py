@@ -18,7 +18,9 @@ class AlignedRows:
     """One bucket layout's parameters (a tensor the layout does not describe is one parameter) as rows of
     ``row`` entries, in the order of the parameters' names: ``rows`` per parameter, ``total`` in all, ``pads`` zeros
     closing each parameter's last row. ``to_bucket`` takes a per-parameter tensor in name order back to bucket
-    order. The zero pads are views made once per dtype, device and leading shape, then reused."""
+    order. The zero pads are views made once per dtype, device and leading shape, then reused. The copy holds at
+    most ``row - 1`` zeros per parameter: a bucket of many small parameters is summed over several times its size
+    (still one kernel each)."""
 
     def __init__(self, bucket: BucketInfo, n: int, row: int):
         segments = list(bucket.segments()) if bucket.numel == n and bucket.numels else [("", 0, n)]
