@@ -5,8 +5,11 @@ import torch
 
 from gcomp.bucket import BucketInfo
 from gcomp.collectives import AllgatherCommunicator, bitpack
+from gcomp.compressors import onebit_device
 from gcomp.compressors.sign import BLOCK, ROW, Buffers, row_plan, sum_rows, work_block
+from gcomp.compressors.sign_rows import AlignedRows
 from gcomp.core import ALLGATHER, Compressor, Payload
+from gcomp.kernels import on_device
 from gcomp.memory import ResidualMemory
 from gcomp.method import Method
 from gcomp.registry import register
@@ -47,12 +50,14 @@ class OneBitCompressor(Compressor):
     The means do not depend on where DDP put each parameter in the bucket: each side of a parameter is summed in
     fp32 rows of ``sign.ROW`` entries from the parameter's own start, the rows added in float64 and rounded once.
     Memory: decoded buckets go into ``sign.Buffers`` kept per layout; the encoder's work buffers are block-sized.
+    On a device (``gcomp.kernels.on_device``) the same wire comes from ``onebit_device``'s bucket-wide kernels.
     """
 
     collective = ALLGATHER
 
     def __init__(self):
         self._layouts: dict[tuple, _Layout] = {}  # a cache, not state
+        self._device_layouts: dict[tuple, onebit_device.DeviceLayout] = {}  # the device path's
         self._buffers = Buffers(slots=6)
 
     def _layout(self, bucket: BucketInfo, n: int, device) -> _Layout:
@@ -64,8 +69,22 @@ class OneBitCompressor(Compressor):
             layout = self._layouts[key] = _Layout(bucket, n, device)
         return layout
 
+    def _device_layout(self, bucket: BucketInfo, n: int, device) -> onebit_device.DeviceLayout:
+        key = (bucket.key, n, str(device))
+        layout = self._device_layouts.get(key)
+        if layout is None:
+            for old in [k for k in self._device_layouts if k[0] == bucket.key]:
+                del self._device_layouts[old]
+            # the byte classes are built on the host (their boundaries are found by ``nonzero``), once
+            layout = onebit_device.DeviceLayout(_Layout(bucket, n, "cpu"), AlignedRows(bucket, n, ROW), device)
+            self._device_layouts[key] = layout
+        return layout
+
     def compress(self, tensor, bucket):
         n = tensor.numel()
+        if on_device(tensor):
+            layout = self._device_layout(bucket, n, tensor.device)
+            return Payload(list(onebit_device.encode(tensor, layout)), ctx=(n, tensor.dtype, bucket, layout))
         layout = self._layout(bucket, n, tensor.device)
         work = torch.promote_types(tensor.dtype, torch.float32)
         positive, negative = (torch.empty(layout.rows, dtype=work, device=tensor.device) for _ in range(2))
@@ -104,11 +123,15 @@ class OneBitCompressor(Compressor):
     def decompress(self, tensors, ctx):
         words, means = tensors
         n, dtype, bucket, layout = ctx
+        if on_device(words):
+            return onebit_device.decode(words, means, layout, n, dtype)
         return self._decode(words, means, layout, self._buffers.take(bucket, n, dtype, words.device))
 
     def aggregate(self, gathered, ctx):
         words, means = gathered  # (world, n_words) int64, (world, 2 * parts) fp32
         n, dtype, bucket, layout = ctx
+        if on_device(words):
+            return onebit_device.aggregate(words, means, layout, n, dtype)
         world, device, take = words.shape[0], words.device, self._buffers.take
         if world == 1:
             return self._decode(words[0], means[0], layout, take(bucket, n, dtype, device))

@@ -23,7 +23,10 @@ import torch
 from gcomp.bucket import BucketInfo
 from gcomp.bucket_state import BucketState, KeptInBucketState, Scratch
 from gcomp.collectives import AllgatherCommunicator, bitpack
+from gcomp.compressors import sign_device
+from gcomp.compressors.sign_rows import AlignedRows
 from gcomp.core import ALLGATHER, Compressor, Payload
+from gcomp.kernels import on_device
 from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.method import Method
 from gcomp.params import OneOf, Range
@@ -138,6 +141,7 @@ class ScaledSignCompressor(Compressor):
     sign of the vote, ties 0): see the module doc.
 
     Memory: decoded buckets go into ``Buffers`` kept per layout; the encoder's work buffers are block-sized.
+    On a device (``gcomp.kernels.on_device``) the same wire comes from ``sign_device``'s bucket-wide kernels.
     """
 
     collective = ALLGATHER
@@ -148,11 +152,18 @@ class ScaledSignCompressor(Compressor):
         self.aggregate_by = aggregate
         self.decodes_alone = aggregate == "mean"
         self._plans: dict = {}  # caches, not state: layout -> row_plan
+        self._rows: dict = {}  # (the device path's) layout -> AlignedRows
         self._buffers = Buffers()
 
     def _encode(self, x: torch.Tensor, dtype: torch.dtype, bucket: BucketInfo) -> Payload:
         # The scale must not depend on where DDP put each parameter in the bucket (a resumed run starts on
         # DDP's first layout and must follow the run that never stopped bit for bit): mean_magnitude says how.
+        if on_device(x):
+            rows = self._rows.get((bucket.key, x.numel()))
+            if rows is None:
+                rows = self._rows[(bucket.key, x.numel())] = AlignedRows(bucket, x.numel(), ROW)
+            return Payload([sign_device.pack_signs(x), sign_device.mean_magnitude(x, rows)],
+                           ctx=(x.numel(), dtype, bucket))
         scale = mean_magnitude(x, bucket, self._plans)
         return Payload([pack_signs(x), scale], ctx=(x.numel(), dtype, bucket))
 
@@ -162,11 +173,15 @@ class ScaledSignCompressor(Compressor):
     def decompress(self, tensors, ctx):
         words, scale = tensors
         n, dtype, bucket = ctx
+        if on_device(words):
+            return sign_device.decode(words, n, scale, dtype)
         return decode_signs(words, n, scale, self._buffers.take(bucket, n, dtype, words.device))
 
     def aggregate(self, gathered, ctx):
         words, scales = gathered  # (world, n_words) int64, (world, 1) fp32
         n, dtype, bucket = ctx
+        if on_device(words):
+            return sign_device.aggregate(words, scales, n, dtype, self.aggregate_by)
         world, device = words.shape[0], words.device
         take = self._buffers.take
         if world == 1:  # one rank's vote is its sign: both rules decode its payload

@@ -1,6 +1,7 @@
 """``onebit``: the two-means codec per parameter (hypothesis), zeros going with the non-negatives and NaN with the
 negatives, non-finite values surfacing, aggregation as the sum of decodes, error-feedback conservation, and a
-4-rank convergence smoke test (the 1-bit packer itself is tested in test_sign.py: onebit shares it)."""
+4-rank convergence smoke test (the 1-bit packer itself is tested in test_sign.py: onebit shares it). On both
+paths, as test_sign.py (its ``path`` fixture); the CPU path's kept buffers on that path only."""
 from __future__ import annotations
 
 import pytest
@@ -12,10 +13,11 @@ import gcomp
 from gcomp import BucketInfo
 from gcomp.compressors.onebit import OneBitCompressor
 from gcomp.compressors.sign import BLOCK, ROW
-from tests.compressors.test_sign import check_convergence
+from tests.compressors.test_sign import check_convergence, cpu_path_only, path  # noqa: F401 (a fixture)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 def _layout(numels, dtype) -> BucketInfo:
@@ -33,7 +35,7 @@ def _values(n: int, dtype: torch.dtype, seed: int, zeros: float) -> torch.Tensor
 @PROPERTY
 @given(numels=st.lists(st.integers(1, 300), min_size=1, max_size=5), dtype=st.sampled_from(DTYPES),
        seed=st.integers(0, 2**31 - 1), zeros=st.sampled_from([0.0, 0.3, 1.0]), sign=st.sampled_from([0, 1, -1]))
-def test_each_entry_decodes_to_the_mean_of_its_side_in_its_parameter(numels, dtype, seed, zeros, sign):
+def test_each_entry_decodes_to_the_mean_of_its_side_in_its_parameter(numels, dtype, seed, zeros, sign, path):
     n = sum(numels)
     x = _values(n, dtype, seed, zeros)
     if sign:  # all one side: the other side's mean is 0 and unused
@@ -67,7 +69,7 @@ def test_each_entry_decodes_to_the_mean_of_its_side_in_its_parameter(numels, dty
 @PROPERTY
 @given(numels=st.lists(st.integers(1, 200), min_size=1, max_size=4), dtype=st.sampled_from(DTYPES),
        seed=st.integers(0, 2**31 - 1), world=st.integers(1, 8))
-def test_aggregate_is_the_sum_of_decompressions(numels, dtype, seed, world):
+def test_aggregate_is_the_sum_of_decompressions(numels, dtype, seed, world, path):
     info = _layout(numels, dtype)
     comp = OneBitCompressor()
     payloads = [comp.compress(_values(info.numel, dtype, seed + r, 0.1), info) for r in range(world)]
@@ -81,7 +83,7 @@ def test_aggregate_is_the_sum_of_decompressions(numels, dtype, seed, world):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_a_non_finite_entry_decodes_non_finite_after_aggregation(bad):
+def test_a_non_finite_entry_decodes_non_finite_after_aggregation(bad, path):
     info = _layout([30, 20], torch.float32)
     comp = OneBitCompressor()
     xs = [_values(50, torch.float32, r, 0.1) for r in range(3)]
@@ -94,7 +96,7 @@ def test_a_non_finite_entry_decodes_non_finite_after_aggregation(bad):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_error_feedback_conservation(dtype):
+def test_error_feedback_conservation(dtype, path):
     method = gcomp.create("onebit")
     comp, memory = method.compressor, method.memory
     info = _layout([200, 7, 57], dtype)
@@ -116,14 +118,15 @@ def test_error_feedback_conservation(dtype):
 
 # Eval loss after 60 steps as a fraction of its start, 4 ranks (see test_sign.py): dense 0.37, onebit 0.39.
 # Bound 0.5, as for efsignsgd: error feedback returns what the two means leave out, so it tracks dense SGD.
-def test_four_ranks_lower_the_loss():
-    check_convergence("onebit", {}, 0.5)
+@pytest.mark.parametrize("device", [False, True], ids=["cpu-path", "device-path"])
+def test_four_ranks_lower_the_loss(device):
+    check_convergence("onebit", {}, 0.5, device=device)
 
 
 # --- layout independence, large parameters, buffers kept across steps ---------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_means_are_bit_for_bit_the_same_whatever_the_layout(dtype):
+def test_means_are_bit_for_bit_the_same_whatever_the_layout(dtype, path):
     """Each side of a parameter is summed in rows from the parameter's own start: its two means do not move by
     one bit with the order of the parameters, their offsets in the bucket, or the thread count."""
     numels = {"w": BLOCK + 2 * ROW + 3, "b": 13, "v": 3 * ROW + 1, "u": 1}
@@ -149,6 +152,7 @@ def test_means_are_bit_for_bit_the_same_whatever_the_layout(dtype):
                                rtol=1e-6, atol=0)
 
 
+@cpu_path_only  # the device path leaves its buffers to the device's caching allocator
 def test_decoded_buckets_reuse_buffers_kept_across_steps_but_never_one_still_held():
     info = _layout([300, 5, 200], torch.float32)
     comp = OneBitCompressor()

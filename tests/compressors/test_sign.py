@@ -2,6 +2,10 @@
 scale, both aggregations (mean of scaled signs, majority vote with ties 0), non-finite values surfacing through the
 scale, Signum's momentum and its checkpoint, EF-signSGD's conservation, and a 4-rank convergence smoke test.
 
+The codec's properties are checked on both its paths (the ``path`` fixture: the CPU path, and the device path of
+``gcomp.kernels.forced`` on these CPU tensors); tests of the CPU path's own machinery (its kept buffers) say so.
+Under ``GCOMP_FORCE_DEVICE_PATH`` both take the device path, and the CPU path's own tests are skipped.
+
 The convergence helpers (``convergence_job``, ``DENSE_STEPS``) are shared with tests/compressors/test_onebit.py.
 """
 from __future__ import annotations
@@ -14,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gcomp
-from gcomp import BucketInfo
+from gcomp import BucketInfo, kernels
 from gcomp.compressors.sign import AGGREGATES
 from gcomp.compressors.sign import (BLOCK, ROW, ScaledSignCompressor, SignumCompressor, decode_signs, pack_signs,
                                    unpack_signs)
@@ -22,7 +26,21 @@ from tests.distributed import run_ranks
 from tests.models import ddp, flat_params, mlp, teacher_labels
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+cpu_path_only = pytest.mark.skipif(kernels.forced_kind() is not None,
+                                   reason="pins the CPU path's machinery: GCOMP_FORCE_DEVICE_PATH takes the other")
+
+
+@pytest.fixture(params=["cpu", "device"])
+def path(request):
+    """The codec's path for the whole test: its CPU path, or its device path (``gcomp.kernels.forced``) on CPU
+    tensors. (``path`` is the same for every example of a hypothesis test, so its being function-scoped is fine.)"""
+    if request.param == "device":
+        with kernels.forced("cuda"):
+            yield request.param
+    else:
+        yield request.param
 
 
 def _values(n: int, dtype: torch.dtype, seed: int, zeros: float = 0.2) -> torch.Tensor:
@@ -56,7 +74,7 @@ def test_sign_bits_round_trip_and_zero_is_plus(n, dtype, seed, zeros):
     assert int(unpack_signs(words, words.numel() * 64)[n:].sum()) == 0
 
 
-def test_nan_goes_as_minus_and_the_scale_carries_it():
+def test_nan_goes_as_minus_and_the_scale_carries_it(path):
     x = torch.tensor([1.0, float("nan"), -2.0, 0.0])
     assert unpack_signs(pack_signs(x), 4).tolist() == [1, 0, 0, 1]
     comp = ScaledSignCompressor()
@@ -90,7 +108,7 @@ def _scale(numels, order, dtype, threads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
-def test_the_scale_is_bit_for_bit_the_same_whatever_the_layout(dtype):
+def test_the_scale_is_bit_for_bit_the_same_whatever_the_layout(dtype, path):
     """A resumed run starts on DDP's first bucket layout: the scale must not move by one bit with the order of
     the parameters, their offsets (row sums start on each parameter, not on the bucket), or the thread count."""
     numels = [BLOCK + 3 * ROW + 5, 17, 3 * ROW, 1, 5000]
@@ -105,6 +123,7 @@ def _kept(comp, info) -> list[int]:
     return [t.data_ptr() for t in comp._buffers._kept[info.key][1]]
 
 
+@cpu_path_only  # the device path leaves its buffers to the device's caching allocator
 @pytest.mark.parametrize("aggregate", AGGREGATES)
 def test_decoded_buckets_reuse_buffers_kept_across_steps_but_never_one_still_held(aggregate):
     comp = ScaledSignCompressor(aggregate)
@@ -127,7 +146,7 @@ def test_decoded_buckets_reuse_buffers_kept_across_steps_but_never_one_still_hel
 
 @PROPERTY
 @given(n=st.integers(1, 2000), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1))
-def test_decompress_is_mean_magnitude_times_sign(n, dtype, seed):
+def test_decompress_is_mean_magnitude_times_sign(n, dtype, seed, path):
     x = _values(n, dtype, seed)
     comp = ScaledSignCompressor()
     payload = comp.compress(x, BucketInfo.single(x))
@@ -144,7 +163,7 @@ def test_decompress_is_mean_magnitude_times_sign(n, dtype, seed):
 @PROPERTY
 @given(n=st.integers(1, 700), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1),
        world=st.integers(1, 8))
-def test_mean_aggregate_is_the_sum_of_decompressions(n, dtype, seed, world):
+def test_mean_aggregate_is_the_sum_of_decompressions(n, dtype, seed, world, path):
     comp = ScaledSignCompressor("mean")
     payloads = [comp.compress(x, BucketInfo.single(x)) for x in (_values(n, dtype, seed + r) for r in range(world))]
     out = comp.aggregate(_stack(payloads), payloads[0].ctx)
@@ -158,7 +177,7 @@ def test_mean_aggregate_is_the_sum_of_decompressions(n, dtype, seed, world):
 @PROPERTY
 @given(n=st.integers(1, 700), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1),
        world=st.integers(1, 8))
-def test_majority_aggregate_is_the_vote_times_the_summed_scales(n, dtype, seed, world):
+def test_majority_aggregate_is_the_vote_times_the_summed_scales(n, dtype, seed, world, path):
     comp = ScaledSignCompressor("majority")
     xs = [_values(n, dtype, seed + r) for r in range(world)]
     payloads = [comp.compress(x, BucketInfo.single(x)) for x in xs]
@@ -172,7 +191,7 @@ def test_majority_aggregate_is_the_vote_times_the_summed_scales(n, dtype, seed, 
     torch.testing.assert_close(out, expected, rtol=4e-7 if dtype != torch.bfloat16 else 8e-3, atol=0)
 
 
-def test_majority_vote_by_hand():
+def test_majority_vote_by_hand(path):
     comp = ScaledSignCompressor("majority")
     xs = [torch.tensor([1.0, -1.0, 2.0, 0.0]), torch.tensor([3.0, 1.0, -2.0, -1.0]),
           torch.tensor([-1.0, 1.0, 2.0, -3.0])]
@@ -186,7 +205,7 @@ def test_majority_vote_by_hand():
 @pytest.mark.parametrize("aggregate", ["mean", "majority"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_a_non_finite_entry_on_one_rank_makes_every_entry_non_finite(world, bad, aggregate):
+def test_a_non_finite_entry_on_one_rank_makes_every_entry_non_finite(world, bad, aggregate, path):
     comp = ScaledSignCompressor(aggregate)
     xs = [_values(50, torch.float32, r) for r in range(world)]
     xs[-1][17] = bad
@@ -205,7 +224,7 @@ def _payload_parts(payload):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_signum_sends_the_sign_of_the_momentum(dtype):
+def test_signum_sends_the_sign_of_the_momentum(dtype, path):
     info = BucketInfo.from_layout(0, dtype, ["a", "b"], [40, 9])
     g = torch.Generator().manual_seed(2)
     grads = [torch.randn(49, generator=g).to(dtype) for _ in range(5)]
@@ -217,7 +236,7 @@ def test_signum_sends_the_sign_of_the_momentum(dtype):
         torch.testing.assert_close(out, expected.to(dtype), rtol=1e-5, atol=0, msg=f"step {step}")
 
 
-def test_signum_state_dict_resumes_and_follows_parameters_to_a_new_layout():
+def test_signum_state_dict_resumes_and_follows_parameters_to_a_new_layout(path):
     a = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [40, 9])
     b = BucketInfo.from_layout(0, torch.float32, ["b", "a"], [9, 40])
     g = torch.Generator().manual_seed(4)
@@ -241,7 +260,7 @@ def test_signum_state_dict_resumes_and_follows_parameters_to_a_new_layout():
         SignumCompressor(0.9).load_state_dict({"momentum": {}, "other": 1})
 
 
-def test_signum_updates_its_momentum_in_place():
+def test_signum_updates_its_momentum_in_place(path):
     info = BucketInfo.single(torch.zeros(1000))
     comp = SignumCompressor(0.5)
     comp.compress(torch.randn(1000), info)
@@ -251,7 +270,7 @@ def test_signum_updates_its_momentum_in_place():
         assert comp._state.find(info, torch.zeros(1000))["momentum"] is kept
 
 
-def test_signum_drops_non_finite_momentum_after_sending_it():
+def test_signum_drops_non_finite_momentum_after_sending_it(path):
     info = BucketInfo.single(torch.zeros(8))
     comp = SignumCompressor(0.5)
     bad = torch.ones(8)
@@ -264,7 +283,7 @@ def test_signum_drops_non_finite_momentum_after_sending_it():
 # --- efsignsgd ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_efsignsgd_conserves_what_it_does_not_send(dtype):
+def test_efsignsgd_conserves_what_it_does_not_send(dtype, path):
     method = gcomp.create("efsignsgd")
     comp, memory = method.compressor, method.memory
     info = BucketInfo.from_layout(0, dtype, ["a", "b"], [200, 57])
@@ -299,8 +318,12 @@ def _task(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, teacher_labels(x, seed=_TEACHER_SEED)
 
 
-def convergence_job(name: str | None, params: dict, steps: int = STEPS, lr: float = LR):
-    """Train the example MLP with plain SGD on per-rank batches; returns (eval loss before, after, params)."""
+def convergence_job(name: str | None, params: dict, steps: int = STEPS, lr: float = LR, device: bool = False):
+    """Train the example MLP with plain SGD on per-rank batches; returns (eval loss before, after, params).
+    ``device``: every codec on its device path (``gcomp.kernels.forced``)."""
+    if device:
+        with kernels.forced("cuda"):
+            return convergence_job(name, params, steps, lr)
     rank = dist.get_rank()
     model = mlp(0)
     net = ddp(model)
@@ -320,9 +343,9 @@ def convergence_job(name: str | None, params: dict, steps: int = STEPS, lr: floa
     return before, after, flat_params(model)
 
 
-def check_convergence(name: str | None, params: dict, max_ratio: float) -> float:
+def check_convergence(name: str | None, params: dict, max_ratio: float, device: bool = False) -> float:
     """Run on 4 ranks; replicas must agree and the eval loss must end below ``max_ratio`` times its start."""
-    results = run_ranks(4, convergence_job, name, params)
+    results = run_ranks(4, convergence_job, name, params, device=device)
     for _, _, p in results[1:]:
         assert torch.equal(p, results[0][2]), "replicas diverged"
     before, after, _ = results[0]
@@ -350,3 +373,10 @@ CONVERGENCE = [
                          ids=[f"{n}-{p.get('aggregate', 'default')}" for n, p, _ in CONVERGENCE])
 def test_four_ranks_lower_the_loss(name, params, max_ratio):
     check_convergence(name, params, max_ratio)
+
+
+# The device path, same bounds: the same bits and votes, scales within rounding of the CPU path's.
+@pytest.mark.parametrize("name, params, max_ratio", CONVERGENCE[1:],
+                         ids=[f"{n}-{p.get('aggregate', 'default')}" for n, p, _ in CONVERGENCE[1:]])
+def test_four_ranks_lower_the_loss_on_the_device_path(name, params, max_ratio):
+    check_convergence(name, params, max_ratio, device=True)
