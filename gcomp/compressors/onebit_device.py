@@ -37,7 +37,7 @@ def encode(x: torch.Tensor, layout: DeviceLayout) -> tuple[torch.Tensor, torch.T
     torch.sum(torch.clamp(y, max=0), -1, dtype=work, out=sums[0])  # NaN stays NaN: it lands in bit 0's side
     torch.nansum(torch.clamp(y, min=0), -1, dtype=work, out=sums[1])  # (and is skipped in bit 1's)
     torch.sum(plus, -1, dtype=work, out=sums[2])
-    per = segments.reduce_trusted(sums.to(torch.float64), rows.rows, "sum", initial=0.0)  # (3, parts), name order
+    per = segments.reduce(sums.to(torch.float64), rows.rows, "sum", initial=0.0)  # (3, parts), name order
     ones = per[2].sub_(rows.constant("pads", x.device))
     counts = torch.stack([rows.constant("numels", x.device) - ones, ones]).clamp_(min=1)
     means = rows.to_bucket(per[:2].div_(counts)).to(torch.float32).reshape(-1)

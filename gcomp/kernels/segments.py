@@ -67,15 +67,3 @@ def segment_scales(values: torch.Tensor, lengths: tuple[int, ...], clip: float =
     if out is None:
         return scales
     return out.copy_(scales)
-
-
-def reduce_trusted(values: torch.Tensor, lengths: tuple[int, ...], how: str,
-                   initial: float | None = None) -> torch.Tensor:
-    """``reduce`` without torch's checks of the lengths (none negative, their sum the reduced size): they read two
-    numbers on the host, two synchronisations with a device on every call, made inside the one aten operation
-    (``gcomp.testing.ops`` sees the operation, not them; ``torch.profiler`` lists them). For lengths that hold by
-    construction (a layout's)."""
-    rows = values.shape[0] if values.dim() == 2 else 0
-    kwargs = {} if initial is None else {"initial": initial}
-    return torch.segment_reduce(values, how, lengths=lengths_tensor(lengths, values.device, rows),
-                                axis=values.dim() - 1, unsafe=True, **kwargs)

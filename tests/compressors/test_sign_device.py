@@ -1,7 +1,7 @@
 """The device path of ``signsgd``, ``signum``, ``efsignsgd`` and ``onebit`` (``gcomp.kernels.forced`` on CPU
 tensors): bucket-wide (the same aten operations whatever the bucket's parameters and entries), no host
 synchronisation, not even one inside an operation (``torch.profiler`` sees those), the CPU path's wire and, from
-the same payloads, its decodes bit for bit; ranks summed in groups; the layout-free rows and ``reduce_trusted``.
+the same payloads, its decodes bit for bit; ranks summed in groups; the layout-free rows and segment sums without a host read.
 
 The properties the two paths share (the scale, the vote, non-finite values, Signum's momentum, conservation,
 layout independence) are the tests of test_sign.py and test_onebit.py, run on both paths."""
@@ -185,10 +185,11 @@ def test_aligned_rows_put_every_parameter_at_a_row_start_in_name_order():
     assert rows.gather(torch.arange(1.0, 18.0)).data_ptr() != got.data_ptr()  # a copy, never a view of x
 
 
-def test_reduce_trusted_is_reduce_without_reading_the_lengths_on_the_host():
+def test_segment_reduce_reads_no_length_on_the_host():
     values = torch.randn(2, 10, dtype=torch.float64)
     lengths = (3, 0, 7)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        got = segments.reduce_trusted(values, lengths, "sum", initial=0.0)
-    assert torch.equal(got, segments.reduce(values, lengths, "sum", initial=0.0))
+        got = segments.reduce(values, lengths, "sum", initial=0.0)
+    assert torch.equal(got, torch.stack([values[:, :3].sum(1), torch.zeros(2, dtype=torch.float64),
+                                         values[:, 3:].sum(1)], dim=1))
     assert not [e.name for e in prof.events() if e.name in ("aten::item", "aten::_local_scalar_dense")]
