@@ -131,9 +131,9 @@ def merge_teams(index: torch.Tensor, values: torch.Tensor, width: int, k: int
     for team in range(index.shape[0]):  # one pass per team, not per entry: positions are distinct in each
         rows = index[team].long()
         summed.index_add_(0, rows, values[team])
-        member[rows] = True
+        member.index_fill_(0, rows, True)  # a Python value: no tensor made for it on the host
     union = member.sum()
-    score = torch.where(member, summed.abs(), torch.tensor(-1.0, dtype=summed.dtype, device=summed.device))
+    score = torch.where(member, summed.abs(), -1.0)  # a Python number: no tensor copied from the host
     chosen = torch.topk(score, k, sorted=True).indices  # members (|v| >= 0, or NaN) before non-members (-1)
     valid = member[chosen]
     return chosen, torch.where(valid, summed[chosen], 0), valid, union
@@ -148,7 +148,7 @@ def spardl_program(blocks: torch.Tensor, rank: int, world: int, teams: int, k: i
         raise ValueError(f"{world} workers in {teams} teams need {world // teams} blocks, got {size}")
     team, me = divmod(rank, size)
     yield from spar_reduce_scatter(blocks, me, k, lambda m: team * size + m)
-    own = torch.tensor([me], device=blocks.device)
+    own = torch.full((1,), me, device=blocks.device)  # torch.tensor would copy from the host: a sync on a GPU
     itype = index_dtype(width)
     index, values = take_top(blocks, own, h)
     if teams == 1:

@@ -14,9 +14,11 @@ import torch.distributed as dist
 from gcomp.bucket import BucketInfo
 from gcomp.bucket_state import BucketState
 from gcomp.collectives import AllgatherCommunicator
+from gcomp.compressors.device_random import DeviceStream
 from gcomp.compressors.quantise import stream_seed
 from gcomp.compressors.sparse import SparseCompressor
 from gcomp.core import check_state, sum_by_name
+from gcomp.kernels import on_device, segments
 from gcomp.memory import NoMemory
 from gcomp.method import Method
 from gcomp.params import Range
@@ -38,6 +40,11 @@ class DGCCompressor(SparseCompressor):
     sample (``max(n * sample_ratio, 8 n / k)`` entries, so about 16 / density at least) the selection thresholds |v| at a value estimated from a strided sample (aiming at 2k nonzero candidates), keeps at most 4k
     candidates and takes the top k among them exactly, which is the exact top k whenever between k and 4k
     pass; if fewer pass (rare, or a mostly-zero bucket), the empty slots carry a zero value at position 0.
+
+    On the device path (``gcomp.kernels.on_device``) the sample's offset is drawn on the bucket's device, from
+    ``device_stream`` (seeded per rank like the CPU's generator; in the checkpoint once it has drawn), so the
+    sample differs from the CPU's; the clipping norms are segment sums (``gcomp.kernels.segments``). The rest is
+    the same code, bucket-wide and without a host synchronisation on either path.
     """
 
     stateful = True
@@ -52,6 +59,7 @@ class DGCCompressor(SparseCompressor):
         self.world_size, self.rank = 1, 0
         self.steps = 0  # compressing steps begun (counted at bucket 0)
         self.generator = torch.Generator().manual_seed(stream_seed(seed, "dgc", 0))
+        self.device_stream = DeviceStream(seed, "dgc", 0)
         # one scratch entry past each buffer's end, always zero: the selection's empty slots point there, so
         # clearing the sent entries never touches an entry that was not sent
         self.state = BucketState(_BUFFERS, spare=1, owner="DGCCompressor")
@@ -61,6 +69,7 @@ class DGCCompressor(SparseCompressor):
         if dist.is_available() and dist.is_initialized():
             self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.generator.manual_seed(stream_seed(self.seed, "dgc", self.rank))  # independent samples per rank
+        self.device_stream = DeviceStream(self.seed, "dgc", self.rank)
 
     def density(self, step: int) -> float:
         """Warm-up: ``warmup_stages`` equal stages over ``warmup_steps``, density ``c ** (stage + 1)`` with
@@ -108,15 +117,19 @@ class DGCCompressor(SparseCompressor):
 
     def _clip(self, tensor: torch.Tensor, bucket: BucketInfo) -> torch.Tensor:
         """Each parameter's local gradient (``world * tensor``) clipped to norm ``clip_norm / sqrt(world)``."""
+        wide = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+        limit = self.clip_norm / self.world_size ** 1.5  # on the bucket's g / world
+        if on_device(tensor):  # segment sums: no index as large as the bucket, no parameter count read
+            lengths = tuple(bucket.numels)
+            factor = (limit / segments.reduce(tensor.to(wide).square(), lengths, "sum").sqrt_()).clamp_(max=1.0)
+            return tensor * segments.expand(factor.to(tensor.dtype), lengths, tensor.numel())
         ids = self._segment_ids.get(bucket.key)
         if ids is None or ids.device != tensor.device:
             ids = torch.repeat_interleave(torch.arange(len(bucket.numels), device=tensor.device),
                                           torch.tensor(bucket.numels, device=tensor.device))
             self._segment_ids[bucket.key] = ids
-        squares = torch.zeros(len(bucket.numels), dtype=torch.float64 if tensor.dtype == torch.float64
-                              else torch.float32, device=tensor.device)
+        squares = torch.zeros(len(bucket.numels), dtype=wide, device=tensor.device)
         squares.index_add_(0, ids, tensor.to(squares.dtype).square())
-        limit = self.clip_norm / self.world_size ** 1.5  # on the bucket's g / world
         factor = (limit / squares.sqrt()).clamp_(max=1.0)  # a zero norm gives inf, clamped to 1
         return tensor * factor[ids].to(tensor.dtype)
 
@@ -129,7 +142,10 @@ class DGCCompressor(SparseCompressor):
             return torch.topk(scores, k, sorted=False).indices
         stride = n // wanted
         m = n // stride
-        start = torch.randint(0, stride, (1,), generator=self.generator).to(v.device, non_blocking=True)
+        if on_device(v):
+            start = torch.randint(0, stride, (1,), generator=self.device_stream.next(v.device), device=v.device)
+        else:
+            start = torch.randint(0, stride, (1,), generator=self.generator).to(v.device, non_blocking=True)
         samples = scores[start + torch.arange(m, device=v.device) * stride]
         rank = min(m, math.ceil(_TARGET * m * k / n))
         threshold = torch.topk(samples, rank, sorted=False).values.min()
@@ -143,12 +159,19 @@ class DGCCompressor(SparseCompressor):
 
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "steps": self.steps, **self.state.state_dict()}
+        # the device stream only once it drew: the CPU path's checkpoint stays as it was
+        device = {"device_stream": self.device_stream.state_dict()} if self.device_stream.draws else {}
+        return {"generator": self.generator.get_state(), "steps": self.steps, **device, **self.state.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        check_state(self, state, {"generator": torch.Tensor, "steps": int, **{b: dict for b in _BUFFERS}})
+        check_state(self, state, {"generator": torch.Tensor, "steps": int, **{b: dict for b in _BUFFERS}},
+                    {"device_stream": dict})
         if state["steps"] < 0:
             raise ValueError(f"DGCCompressor: 'steps' must be at least 0, got {state['steps']}")
+        if "device_stream" in state:
+            self.device_stream.load_state_dict(state["device_stream"])
+        else:  # a checkpoint of the CPU path, or after a resize: a fresh stream of this rank's
+            self.device_stream = DeviceStream(self.seed, "dgc", self.rank)
         self.generator.set_state(state["generator"])
         self.steps = state["steps"]
         self.state.load_state_dict({b: state[b] for b in _BUFFERS})  # checks each buffer's tensors

@@ -41,7 +41,8 @@ class GlobalTopKCompressor(ScheduledCompressor):
         index = index.long()
         if keep:
             residual = compensated.clone()
-            residual[local] = torch.where(torch.isin(local, index), 0, compensated[local])
+            # both sets are distinct positions: without assume_unique, isin runs unique on each, a host sync on a GPU
+            residual[local] = torch.where(torch.isin(local, index, assume_unique=True), 0, compensated[local])
             self.memory.store(residual, ctx.bucket)
         return torch.zeros_like(compensated).index_add_(0, index, values)  # positions are distinct
 

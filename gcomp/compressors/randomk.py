@@ -9,8 +9,10 @@ import torch
 from gcomp.bucket import BucketInfo
 from gcomp.bucket_state import Scratch
 from gcomp.collectives import AllreduceCommunicator
+from gcomp.compressors.device_random import DeviceStream, uniform_subsets
 from gcomp.compressors.quantise import stream_seed
 from gcomp.core import ALLREDUCE, Compressor, Payload
+from gcomp.kernels import on_device
 from gcomp.memory import ResidualMemory
 from gcomp.method import Method
 from gcomp.params import Range
@@ -50,18 +52,30 @@ class RandomKCompressor(Compressor):
     or a non-finite bucket) one copy of the compensated bucket into the residual (``residual_into``: the drawn
     entries subtracted, non-finite entries dropped, nothing decoded). Decoding clears and fills one of two
     buffers kept per bucket layout instead of a fresh zeroed bucket.
+
+    On the device path (``gcomp.kernels.on_device``) the positions are drawn on the bucket's device, bucket-wide
+    (``device_random.uniform_subsets``: the k largest of random keys, sorted), from ``device_stream``, seeded
+    alike on every rank from the same seed and advanced by every compressed bucket: other positions than the
+    CPU's, as uniform, as much the same on every rank. The flag is found by min and max, on the device, and
+    the memory takes ``residual_into``. A checkpoint holds the device stream (``device_stream``: its seed and the
+    draws made) once it has drawn.
     """
 
     collective = ALLREDUCE
 
     def __init__(self, ratio: float, seed: int = 0):
-        self.ratio = ratio
+        self.ratio, self.seed = ratio, seed
         self.generator = torch.Generator().manual_seed(stream_seed(seed, "randomk"))  # the same on every rank
+        self.device_stream = DeviceStream(seed, "randomk")  # the device path's draws, alike on every rank
         self._decoded = Scratch(slots=2)  # decoded buckets: DDP holds the last one while the next is decoded
 
     def compress(self, tensor, bucket):
         n = tensor.numel()
-        index = uniform_subset(n, max(1, int(n * self.ratio)), self.generator).to(tensor.device, non_blocking=True)
+        k = max(1, int(n * self.ratio))
+        if on_device(tensor):
+            index = uniform_subsets(1, n, k, self.device_stream.next(tensor.device)).view(-1)
+        else:
+            index = uniform_subset(n, k, self.generator).to(tensor.device, non_blocking=True)
         wire, finite = self._values(tensor.reshape(-1), index, 1)
         return Payload([wire.view(-1)], ctx=Drawn(n, index, bucket, finite))
 
@@ -71,8 +85,12 @@ class RandomKCompressor(Compressor):
         row r's values and the flag."""
         width = tensor.numel() // rows
         k = max(1, int(width * self.ratio))
-        index = torch.stack([uniform_subset(width, k, self.generator) for _ in range(rows)])
-        index = (index + torch.arange(rows)[:, None] * width).reshape(-1).to(tensor.device, non_blocking=True)
+        if on_device(tensor):  # every row at once, the stream advanced once
+            index = uniform_subsets(rows, width, k, self.device_stream.next(tensor.device))
+            index = index.add_(torch.arange(0, rows * width, width, device=tensor.device)[:, None]).view(-1)
+        else:
+            index = torch.stack([uniform_subset(width, k, self.generator) for _ in range(rows)])
+            index = (index + torch.arange(rows)[:, None] * width).reshape(-1).to(tensor.device, non_blocking=True)
         wire, finite = self._values(tensor.reshape(-1), index, rows)
         return Payload([wire], ctx=Drawn(tensor.numel(), index, bucket, finite, rows))
 
@@ -86,7 +104,7 @@ class RandomKCompressor(Compressor):
             torch.index_select(flat, 0, index, out=wire.view(-1)[:k])
         else:
             wire[:, :k] = flat.index_select(0, index).view(rows, k)
-        if flat.device.type == "cpu":  # known on the host at no cost: the memory may skip its pass
+        if not on_device(flat):  # known on the host at no cost: the memory may skip its pass
             finite = all_finite(flat)
             wire[:, k] = 0.0 if finite else float("nan")
         else:  # no synchronisation: min and max (module ``all_finite``); the memory takes ``residual_into``
@@ -133,10 +151,16 @@ class RandomKCompressor(Compressor):
     replicated = True  # one stream, the same on every rank
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        # the device stream only once it drew: the CPU path's checkpoint stays as it was
+        device = {"device_stream": self.device_stream.state_dict()} if self.device_stream.draws else {}
+        return {"generator": self.generator.get_state(), **device}
 
     def load_state_dict(self, state: dict) -> None:
-        check_state(self, state, {"generator": torch.Tensor})
+        check_state(self, state, {"generator": torch.Tensor}, {"device_stream": dict})
+        if "device_stream" in state:
+            self.device_stream.load_state_dict(state["device_stream"])
+        else:  # a checkpoint of the CPU path: the device path has not drawn yet
+            self.device_stream = DeviceStream(self.seed, "randomk")
         self.generator.set_state(state["generator"])
 
     def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:

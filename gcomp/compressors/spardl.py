@@ -3,7 +3,7 @@ collection, for any number of workers (schedules in ``gcomp.collectives.spardl``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 
@@ -23,17 +23,35 @@ from gcomp.state_checks import check_state
 class _Budget:
     """Spar-All-Gather's adaptive per-team budget h for one bucket layout (docs/algorithms.md §7.2). The union size of a
     step is read on the host at the next step, so the step itself never waits for it; every member of a
-    Spar-All-Gather group merges the same union, so they all move h alike."""
+    Spar-All-Gather group merges the same union, so they all move h alike. On a GPU it is copied to the host
+    without waiting, and read after that copy's event: a value a step old, whose read waits for nothing queued
+    since."""
 
     h: int
     step: int
     inertia: bool = False
     union: torch.Tensor | None = None  # last step's union size, not read yet
+    copied: Any = None  # the CUDA event after ``union``'s copy to the host, while it may be in flight
+
+    def remember(self, union: torch.Tensor) -> None:
+        """Keep this step's union size for the next step's ``adapt``."""
+        if union.is_cuda:
+            union = union.to("cpu", non_blocking=True)  # into pinned memory
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        self.union = union
+
+    def settled(self) -> torch.Tensor | None:
+        """``union``, its copy to the host finished."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+        return self.union
 
     def adapt(self, k: int, floor: int) -> None:
         if self.union is None:
             return
-        union, self.union = int(self.union), None
+        union, self.union = int(self.settled()), None
         if (union > k) != (self.step > 0):  # moving the right way: speed up every second step
             if self.inertia:
                 self.step *= 2
@@ -98,7 +116,7 @@ class SparDLCompressor(ScheduledCompressor):
             original[positions] = kept
             self.memory.store(original[:ctx.compensated.numel()], ctx.bucket)
             if budget is not None:
-                budget.union = selection.union
+                budget.remember(selection.union)
         return result[:ctx.compensated.numel()]
 
     def store_residual(self, residual: torch.Tensor, bucket: BucketInfo) -> None:
@@ -114,7 +132,7 @@ class SparDLCompressor(ScheduledCompressor):
         return budget
 
     def state_dict(self) -> dict:
-        budgets = {key: {"h": b.h, "step": b.step, "inertia": b.inertia, "union": b.union}
+        budgets = {key: {"h": b.h, "step": b.step, "inertia": b.inertia, "union": b.settled()}
                    for key, b in self._budgets.items()}
         return {**super().state_dict(), "budgets": budgets}
 

@@ -7,8 +7,9 @@ import torch
 import torch.distributed as dist
 
 from gcomp.bucket import index_dtype
-from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator
+from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator, SizedPayload
 from gcomp.compressors.sparse import SparseCompressor, magnitude_keys, positions_at_least
+from gcomp.kernels import on_device
 from gcomp.memory import ResidualMemory
 from gcomp.method import Method
 from gcomp.params import Range
@@ -37,27 +38,67 @@ class ThresholdCompressor(SparseCompressor):
     The threshold is on the local gradient: the hook hands over ``g / world``, so that is compared with
     ``threshold / world``. NaN and infinities always pass. The entries are found in one chunked pass over the
     bucket (``positions_at_least``) with no bucket-sized mask or magnitude tensor.
+
+    On the device path (``gcomp.kernels.on_device``) the count is never read by the codec: the payload is a
+    ``SizedPayload`` of bucket-sized buffers, the passing entries first (ascending, by ``nonzero_static``), zero
+    values past them, and their count on the device; the sized all-gather reads the longest count, the bucket's
+    one host synchronisation, and sends that many. The same entries go, in the same order, as on the CPU; the
+    buffers cost a bucket of values and of int64 positions while the bucket is encoded.
     """
 
     def __init__(self, threshold: float):
         self.threshold = threshold
         self.world_size = 1
         self._floors: dict[torch.dtype, torch.Tensor] = {}
+        self._floor_keys: dict[torch.dtype, int] = {}
 
     def bind(self, model, group, stats) -> None:
         self._floors.clear()
+        self._floor_keys.clear()
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(group)
 
+    def _floor(self, dtype: torch.dtype) -> torch.Tensor:
+        """The threshold as a magnitude key of ``dtype``, above which NaN and infinities lie too: they are always
+        sent. On the CPU, made once per dtype."""
+        floor = self._floors.get(dtype)
+        if floor is None:
+            floor = self._floors[dtype] = magnitude_keys(torch.tensor(
+                _floor_to(self.threshold / self.world_size, dtype), dtype=dtype))
+        return floor
+
     def compress(self, tensor, bucket):
-        floor = self._floors.get(tensor.dtype)
-        if floor is None:  # as a magnitude key, above which NaN and infinities lie too: they are always sent
-            floor = self._floors[tensor.dtype] = magnitude_keys(torch.tensor(
-                _floor_to(self.threshold / self.world_size, tensor.dtype), dtype=tensor.dtype))
         flat = tensor.reshape(-1)
+        if on_device(flat):
+            return self._compress_on_device(flat, tensor, bucket)
         # the count decides the payload's size: a host sync is inherent
-        index = positions_at_least(flat, floor.to(tensor.device), index_dtype(flat.numel()), strict=True)
+        index = positions_at_least(flat, self._floor(tensor.dtype).to(tensor.device), index_dtype(flat.numel()),
+                                   strict=True)
         return self.sparse_payload(flat[index], index, tensor, bucket)
+
+    def _passing(self, flat: torch.Tensor) -> torch.Tensor:
+        """The bucket-sized mask of the entries sent (device path)."""
+        key = self._floor_keys.get(flat.dtype)
+        if key is None:  # a Python integer: compared exactly with the keys, and no copy to the device
+            key = self._floor_keys[flat.dtype] = int(self._floor(flat.dtype))
+        return magnitude_keys(flat) > key
+
+    def _compress_on_device(self, flat, tensor, bucket) -> SizedPayload:
+        n = flat.numel()
+        passing = self._passing(flat)
+        found = torch.nonzero_static(passing, size=n, fill_value=n).squeeze(1)  # ascending, then n: no count read
+        real = found < n
+        index = found.clamp_(max=n - 1)  # padding: a zero value at the last position
+        plain = self.sparse_payload(torch.where(real, flat[index], 0), index, tensor, bucket)
+        return SizedPayload(plain.tensors, plain.ctx, length=passing.sum())
+
+    def residual_into(self, out, tensor, payload):
+        if not isinstance(payload, SizedPayload):
+            return super().residual_into(out, tensor, payload)
+        # the padding repeats a position: the sent entries, all of those passing and only those, read as 0
+        flat = tensor.reshape(-1)
+        out.view(-1).copy_(flat).masked_fill_(self._passing(flat), 0)
+        return True
 
 
 @register("threshold", paper="Strom 2015 (Scalable distributed DNN training using commodity GPU cloud computing)")

@@ -8,6 +8,7 @@ import torch
 
 from gcomp.collectives import AllgatherCommunicator
 from gcomp.compressors.sparse import SparseCompressor, magnitude_keys, positions_at_least
+from gcomp.kernels import on_device
 from gcomp.memory import ResidualMemory
 from gcomp.method import Method
 from gcomp.params import Range
@@ -52,6 +53,10 @@ class TopKCompressor(SparseCompressor):
     NaN and infinities rank above every finite magnitude, so a non-finite gradient is always sent. The
     selection is exact (``largest_magnitudes``): on a large bucket torch.topk runs on about 1.25 k candidates
     above a sampled bound instead of on all n entries. ``paths`` counts the selections by path taken.
+
+    On the device path (``gcomp.kernels.on_device``) it is one torch.topk of the whole bucket's magnitude keys
+    (counted as ``full``): the candidates above a sampled bound are as many as the data makes them, which only a
+    host synchronisation would tell. The same set, up to ties; the same wire.
     """
 
     min_sampled = MIN_SAMPLED
@@ -63,9 +68,13 @@ class TopKCompressor(SparseCompressor):
     def compress(self, tensor, bucket):
         n = tensor.numel()
         k = max(1, int(n * self.ratio))
-        index, path = largest_magnitudes(tensor.reshape(-1), k, self.min_sampled)
+        flat = tensor.reshape(-1)
+        if on_device(flat):
+            index, path = torch.topk(magnitude_keys(flat), k, sorted=False).indices, FULL
+        else:
+            index, path = largest_magnitudes(flat, k, self.min_sampled)
         self.paths[path] += 1
-        return self.sparse_payload(tensor.reshape(-1)[index], index, tensor, bucket)
+        return self.sparse_payload(flat[index], index, tensor, bucket)
 
 
 @register("topk", paper="Aji & Heafield 2017 (gradient dropping); Stich et al. 2018 (error feedback)")

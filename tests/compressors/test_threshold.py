@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import gcomp
 from gcomp import BucketInfo
-from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator
+from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator, SizedPayload
 from gcomp.compressors import sparse
 from gcomp.compressors.threshold import ThresholdCompressor, _floor_to
 from tests.compressors.test_randomk import check_convergence
@@ -19,6 +19,23 @@ from tests.distributed import run_ranks
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def sent(payload) -> list[torch.Tensor]:
+    """What goes on the wire of ``payload``: its tensors on the CPU path; on the device path (a ``SizedPayload`` of
+    bucket-sized buffers, ``GCOMP_FORCE_DEVICE_PATH``) their first ``length`` rows, the rest checked to be zero
+    values."""
+    if not isinstance(payload, SizedPayload):
+        return payload.tensors
+    length = int(payload.length)
+    values, index = payload.tensors
+    assert values.shape == index.shape and values.shape[0] >= length
+    assert not values[length:].any(), "the padding past the length must add nothing"
+    return [values[:length], index[:length]]
+
+
+def sent_nbytes(payload) -> int:
+    return sum(t.numel() * t.element_size() for t in sent(payload))
 
 
 @PROPERTY
@@ -33,12 +50,12 @@ def test_sends_exactly_the_entries_above_the_scaled_threshold(n, dtype, threshol
     comp = ThresholdCompressor(threshold)
     comp.world_size = world  # what bind() sets: the bucket holds g / world
     payload = comp.compress(x, BucketInfo.single(x))
-    values, index = payload.tensors
+    values, index = sent(payload)
     expected = ((x.double().abs() > threshold / world) | ~torch.isfinite(x)).nonzero().squeeze(1)
     assert index.dtype == torch.int32 and torch.equal(index.long(), expected)
     assert values.dtype == dtype and torch.equal(values.isnan(), x[expected].isnan())
     assert torch.equal(values.nan_to_num(), x[expected].nan_to_num())
-    assert payload.nbytes == expected.numel() * (x.element_size() + 4)
+    assert sent_nbytes(payload) == expected.numel() * (x.element_size() + 4)
     out = comp.decompress(payload.tensors, payload.ctx)
     assert out.dtype == dtype and out.shape == x.shape
     kept = torch.zeros(n, dtype=torch.bool)
@@ -49,7 +66,7 @@ def test_sends_exactly_the_entries_above_the_scaled_threshold(n, dtype, threshol
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_an_infinite_threshold_still_sends_nan_and_infinities(dtype):
     x = torch.tensor([1e4, float("nan"), float("inf"), -float("inf"), 0.0], dtype=dtype)
-    _, index = ThresholdCompressor(float("inf")).compress(x, BucketInfo.single(x)).tensors
+    _, index = sent(ThresholdCompressor(float("inf")).compress(x, BucketInfo.single(x)))
     assert index.tolist() == [1, 2, 3]
 
 
@@ -63,10 +80,10 @@ def test_error_feedback_conservation_is_exact_and_small_entries_accumulate(dtype
         v = memory.compensate(grad, info)
         payload = comp.compress(v, info)
         memory.update(v, info, comp, payload)
-        sent = comp.decompress(payload.tensors, payload.ctx)
+        decoded = comp.decompress(payload.tensors, payload.ctx)
         residual = memory.compensate(torch.zeros_like(grad), info)
-        assert torch.equal(sent + residual, v)
-        assert payload.tensors[0].numel() == (100 if step == 2 else 0)
+        assert torch.equal(decoded + residual, v)
+        assert sent(payload)[0].numel() == (100 if step == 2 else 0)
     assert torch.equal(residual, torch.zeros_like(grad))
 
 
@@ -84,6 +101,7 @@ def _sized_job(counts: list[list[int]], dtype: torch.dtype) -> list:
         x = torch.zeros(64, dtype=dtype)
         x[rank:rank + per_rank[rank]] = 2.0 * world * (rank + 1)  # overlapping positions across ranks
         payload = comp.compress(x, BucketInfo.single(x, index=b))
+        stats["bytes_sent"] += payload.nbytes  # as the pipeline counts it (gcomp.Method.reduce)
         local = comp.decompress(payload.tensors, payload.ctx)
         pending.append((comm.exchange(payload, comp, None, stats), payload, local))
     out = []
@@ -104,7 +122,8 @@ def test_sized_allgather_with_different_counts_several_buckets_in_flight(dtype):
             assert torch.equal(got, results[0][0][b][0])
         element = 4 + torch.finfo(dtype).bits // 8
         padding = sum(8 + (max(1, max(c)) - c[rank]) * element for c in counts)  # size round + padding
-        assert stats["padding_bytes"] == padding and stats["bytes_sent"] == padding
+        own = sum(c[rank] for c in counts) * element
+        assert stats["padding_bytes"] == padding and stats["bytes_sent"] == own + padding
 
 
 # --- 4 ranks ----------------------------------------------------------------------------------------------------
@@ -133,7 +152,7 @@ def test_selection_in_chunks_is_every_entry_above_the_threshold_and_every_non_fi
     comp, saved = ThresholdCompressor(threshold), sparse.CHUNK
     sparse.CHUNK = chunk
     try:
-        values, index = comp.compress(x, BucketInfo.single(x)).tensors
+        values, index = sent(comp.compress(x, BucketInfo.single(x)))
     finally:
         sparse.CHUNK = saved
     floor = _floor_to(threshold, dtype)
