@@ -44,9 +44,9 @@ class QSGDCompressor(SeededState, RankwiseDecoder):
     The signed level is drawn in one add: ``sign(g) l = floor(s g / r + w) - 1`` with ``w`` uniform on [1, 2)
     (``quantise.add_scaled_``), which rounds ``s |g| / r`` up with probability equal to its fractional part
     for either sign. On the device path (``gcomp.kernels.on_device``) the same wire and draws in a fixed number
-    of whole-bucket operations (``qsgd_device``). Memory: per bucket layout, one draws buffer of the bucket's fp32 size (also the decode's
-    work space) and for 16-bit buckets the fp32 entries; nothing of the bucket's size is allocated per step
-    but ``decompress``'s result.
+    of whole-bucket operations (``qsgd_device``). Memory: per bucket layout, one draws buffer of the bucket's
+    fp32 size (also the decode's work space) and for 16-bit buckets the fp32 entries; nothing of the bucket's
+    size is allocated per step but ``decompress``'s result.
     """
 
     collective = ALLGATHER
