@@ -6,7 +6,8 @@ and the decision ``hit = (u + U) / 256 < p`` with ``U`` uniform in [0, 1) is tak
 ``r = 256 p - u``; ``r >= 1`` hits whatever ``U`` is, ``r < 0`` misses whatever ``U`` is, and only the entries
 with ``0 <= r < 1`` (one in 256) draw their own ``U`` (fp32) and hit when ``U < r``. Since ``u + U`` is uniform
 in [0, 256), ``P(hit) = p`` exactly (to ``U``'s 24 bits within that 1/256: finer than one fp32 uniform), and
-the entries stay independent. On other devices the generator is a fast counter-based one: one uniform each.
+the entries stay independent. On other devices the generator is a fast counter-based one: one uniform each
+(``draw_hits_device``, also every codec's device path: ``gcomp.kernels.on_device``).
 """
 from __future__ import annotations
 
@@ -21,9 +22,7 @@ def draw_hits(hit: torch.Tensor, scaled: torch.Tensor, generator: torch.Generato
     buffers across calls (kept per bucket by the caller: no allocation of the entries' size per call)."""
     n = scaled.numel()
     if scaled.device.type != "cpu":
-        draws = _buffer(work, "draws", n, torch.float32, scaled.device)
-        draws.uniform_(0, SCALE, generator=generator)
-        return torch.lt(draws, scaled, out=hit)
+        return draw_hits_device(hit, scaled, generator, work)
     words = _buffer(work, "bytes", -(-n // 8), torch.int64, scaled.device)
     words.random_(-2**63, None, generator=generator)  # every bit uniform: eight random bytes a word
     draws = _buffer(work, "draws", n, torch.float32, scaled.device)
@@ -36,6 +35,16 @@ def draw_hits(hit: torch.Tensor, scaled: torch.Tensor, generator: torch.Generato
     if undecided.numel():
         hit[undecided] = torch.rand(undecided.numel(), generator=generator, device=r.device) < r[undecided]
     return hit
+
+
+def draw_hits_device(hit: torch.Tensor, scaled: torch.Tensor, generator: torch.Generator, work: dict
+                     ) -> torch.Tensor:
+    """``draw_hits`` in two whole-bucket operations and no host read: one fp32 uniform on [0, ``SCALE``) per entry,
+    a hit where it is below ``scaled`` (``P(hit) = scaled / SCALE`` to the uniform's resolution, 2^-24 at worst).
+    NaN never hits, ``SCALE`` and above always do; ``scaled`` is left as it is."""
+    draws = _buffer(work, "draws", scaled.numel(), torch.float32, scaled.device)
+    draws.uniform_(0, SCALE, generator=generator)
+    return torch.lt(draws, scaled, out=hit)
 
 
 def sparse_nonzero(flags: torch.Tensor, most: int | None = None) -> torch.Tensor | None:

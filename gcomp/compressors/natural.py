@@ -7,17 +7,18 @@ from typing import Annotated
 import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
+from gcomp.compressors import natural_device
 from gcomp.compressors.bernoulli import sparse_nonzero
 from gcomp.compressors.quantise import (RankGenerator, RankwiseCtx, RankwiseDecoder, Scratch, SeededState,
                                         rank_and_world, work_dtype)
 from gcomp.core import ALLGATHER, Payload
+from gcomp.kernels import on_device
 from gcomp.memory import NoMemory
 from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
 
 _MANTISSA_BITS = 23
-_MANTISSA = (1 << _MANTISSA_BITS) - 1
 
 
 
@@ -37,7 +38,9 @@ class NaturalCompressor(SeededState, RankwiseDecoder):
 
     On a CPU the carry takes one random byte per entry, refined by a 15-bit draw only where the mantissa's top
     byte ties (``round_exponents``; the same probability, exactly). The decode builds each value's top 16 bits
-    (a bfloat16, widened exactly) and writes the few NaN codes where they are.
+    (a bfloat16, widened exactly) and writes the few NaN codes where they are. On the device path
+    (``gcomp.kernels.on_device``) the rounding takes one 23-bit draw per entry and the decode two gathers per rank,
+    a fixed number of whole-bucket operations (``natural_device``).
 
     Memory: per bucket layout, one draws buffer of the bucket's fp32 size (also the decode's work space), one
     of half that (int16), a byte per entry for the signs (also the random bytes) and for the NaN flags, and for
@@ -70,10 +73,8 @@ class NaturalCompressor(SeededState, RankwiseDecoder):
         n, device = bits.numel(), bits.device
         draws, signs = self.buffers(key, n, device)
         exponent = torch.empty(n, dtype=torch.uint8, device=device)
-        if device.type != "cpu":  # a counter-based generator: one 23-bit draw per entry, added as a carry
-            draws.view(torch.int64).random_(-2**63, None, generator=generator)
-            carry = draws[:n].bitwise_and_(_MANTISSA).add_(bits)
-            return exponent.copy_(carry.bitwise_right_shift_(_MANTISSA_BITS))
+        if device.type != "cpu" or on_device(bits):  # one 23-bit draw per entry, added as a carry: no host read
+            return natural_device.round_up(bits, draws, exponent, generator)
         random = signs.view(torch.int64)  # free until the signs are written: a byte per entry
         random.random_(-2**63, None, generator=generator)  # every bit uniform
         top = torch.bitwise_right_shift(bits, _MANTISSA_BITS - 8, out=draws[:n])  # e:t in the low 16 bits
@@ -117,6 +118,11 @@ class NaturalCompressor(SeededState, RankwiseDecoder):
         high, shifted = planes[:n], planes[n:2 * n]
         total = out if out.dtype == work else self.scratch.get(ctx.key, "sum", n, work, out.device)
         nan = self.scratch.get(ctx.key, "nan", n, torch.bool, out.device)
+        if on_device(exponents):
+            rows = self.scratch.get(ctx.key, "rows", signs.shape[1] * 8, torch.int32, out.device)
+            space = self.scratch.get(ctx.key, "rank", n, work, out.device)
+            natural_device.decode(exponents, signs, n, total, space, draws, rows)
+            return out if total is out else out.copy_(total)
         table = self._sign_table(exponents.device)
         for rank in range(world):  # a loop over ranks, not entries
             if bitpack.little_endian():

@@ -7,10 +7,12 @@ from typing import Annotated
 import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
+from gcomp.compressors import device_bits, qsgd_device
 from gcomp.compressors.quantise import (RankGenerator, RankwiseCtx, RankwiseDecoder, Scratch, SeededState,
                                         add_scaled_, draw_units, per_segment_, rank_and_world, segment_lengths,
                                         wire_scale, work_dtype)
 from gcomp.core import ALLGATHER, Payload
+from gcomp.kernels import on_device
 from gcomp.memory import NoMemory
 from gcomp.method import Method
 from gcomp.params import Range
@@ -41,9 +43,10 @@ class QSGDCompressor(SeededState, RankwiseDecoder):
 
     The signed level is drawn in one add: ``sign(g) l = floor(s g / r + w) - 1`` with ``w`` uniform on [1, 2)
     (``quantise.add_scaled_``), which rounds ``s |g| / r`` up with probability equal to its fractional part
-    for either sign. Memory: per bucket layout, one draws buffer of the bucket's fp32 size (also the decode's
-    work space) and for 16-bit buckets the fp32 entries; nothing of the bucket's size is allocated per step
-    but ``decompress``'s result.
+    for either sign. On the device path (``gcomp.kernels.on_device``) the same wire and draws in a fixed number
+    of whole-bucket operations (``qsgd_device``). Memory: per bucket layout, one draws buffer of the bucket's
+    fp32 size (also the decode's work space) and for 16-bit buckets the fp32 entries; nothing of the bucket's
+    size is allocated per step but ``decompress``'s result.
     """
 
     collective = ALLGATHER
@@ -77,11 +80,15 @@ class QSGDCompressor(SeededState, RankwiseDecoder):
         values = tensor.reshape(-1) if tensor.dtype == work else \
             self.scratch.get(bucket.key, "values", tensor.numel(), work, tensor.device).copy_(tensor.reshape(-1))
         n, lengths, s = values.numel(), segment_lengths(bucket, values.numel()), self.levels
-        norms = wire_scale(self.local_norms(values, lengths))
-        # a zero parameter (0 / 0) scales by 0 instead: level 0; so does a non-finite norm (its decode is NaN)
-        factors = torch.where(norms > 0, s / norms, 0.0).to(work)
-        draws = draw_units(self.work_space(bucket.key, n, work, values.device), n, work, self.random(values.device))
-        levels = add_scaled_(draws, values, factors, lengths).floor_()  # sign(g) l + 1
+        space, device = self.work_space(bucket.key, n, work, values.device), on_device(values)
+        if device:
+            norms, levels = qsgd_device.signed_levels(values, lengths, s, space, self.random(values.device))
+        else:
+            norms = wire_scale(self.local_norms(values, lengths))
+            # a zero parameter (0 / 0) scales by 0 instead: level 0; so does a non-finite norm (its decode is NaN)
+            factors = torch.where(norms > 0, s / norms, 0.0).to(work)
+            draws = draw_units(space, n, work, self.random(values.device))
+            levels = add_scaled_(draws, values, factors, lengths).floor_()  # sign(g) l + 1
         levels.clamp_(1 - s, 1 + s).add_(s - 1)  # the field l + s in [0, 2s] (NaN for a non-finite entry)
         words = bitpack.packed_words(n, self.bits)
         if self.bits == 8 and _BYTE_WORDS:
@@ -93,7 +100,10 @@ class QSGDCompressor(SeededState, RankwiseDecoder):
         fields.clamp_(0, 2 * s)  # NaN converts to an undefined integer: keep the neighbours' fields intact
         # 8-bit fields are the words' own bytes; narrower ones are packed (a bucket of 8 entries has as many
         # bytes as its one word too: the field width decides, not the length)
-        packed = fields.view(torch.int64) if self.bits == 8 and _BYTE_WORDS else bitpack.pack(fields, self.bits)
+        if self.bits == 8 and _BYTE_WORDS:
+            packed = fields.view(torch.int64)
+        else:
+            packed = device_bits.pack(fields, self.bits) if device else bitpack.pack(fields, self.bits)
         return Payload([norms, packed], RankwiseCtx(n, tensor.dtype, lengths, bucket.key, tensor))
 
     def decode(self, gathered, ctx: RankwiseCtx, out: torch.Tensor) -> torch.Tensor:
@@ -104,6 +114,9 @@ class QSGDCompressor(SeededState, RankwiseDecoder):
         work, n, s = work_dtype(ctx.dtype), ctx.n, self.levels
         total = out if out.dtype == work else self.scratch.get(ctx.key, "sum", n, work, out.device)
         space = self.work_space(ctx.key, n, work, words.device).view(work)
+        if on_device(words):
+            qsgd_device.decode(norms, words, n, ctx.lengths, s, self.bits, _BYTE_WORDS, total, space)
+            return out if total is out else out.copy_(total)
         for rank in range(words.shape[0]):  # a loop over ranks, not entries
             if self.bits == 8 and _BYTE_WORDS:
                 fields = words[rank].view(torch.uint8)[:n]

@@ -7,11 +7,12 @@ import torch
 
 from gcomp.collectives import AllgatherCommunicator, bitpack
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
-from gcomp.compressors import bernoulli
+from gcomp.compressors import bernoulli, device_bits, terngrad_device
 from gcomp.compressors.quantise import (RankGenerator, RankwiseCtx, RankwiseDecoder, Scratch, SeededState,
                                         per_segment_, rank_and_world, segment_lengths, segment_scales, wire_scale,
                                         work_dtype)
 from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, Payload
+from gcomp.kernels import on_device
 from gcomp.memory import NoMemory
 from gcomp.method import Method
 from gcomp.params import OneOf, Range
@@ -65,7 +66,9 @@ class TernGradCompressor(SeededState, RankwiseDecoder):
 
     The hit ``t != 0`` is an exact Bernoulli draw from one random byte per entry (``bernoulli.draw_hits``);
     the codes are packed 4 per int32 multiply (``pack_codes_``) and decoded through a byte table (4 values of
-    ``t`` per row gather, ``unpack_codes``), then scaled per parameter. Memory: per bucket layout, one draws
+    ``t`` per row gather, ``unpack_codes``), then scaled per parameter. On the device path
+    (``gcomp.kernels.on_device``) the same wire in a fixed number of whole-bucket operations, the hits drawn one
+    uniform per entry (``terngrad_device``). Memory: per bucket layout, one draws
     buffer of the bucket's work-dtype size (the probabilities, also the decode's work space), one fp32 buffer
     of the bucket's size for ``draw_hits``, a byte per entry for the codes, the hits and ``draw_hits``' ties and
     random bytes, and for 16-bit buckets the fp32 entries; nothing of the bucket's size is allocated per step
@@ -117,7 +120,8 @@ class TernGradCompressor(SeededState, RankwiseDecoder):
         uniform = self.scratch.get(key, "uniform", n, torch.float32, device)
         work_buffers = self._bernoulli.setdefault(key, {})
         work_buffers["draws"] = uniform
-        bernoulli.draw_hits(hit, prob, self.random(device), work_buffers)
+        draw = bernoulli.draw_hits_device if on_device(values) else bernoulli.draw_hits
+        draw(hit, prob, self.random(device), work_buffers)
         padded = bitpack.packed_words(n, 2) * 32
         codes = self.scratch.get(key, "codes", padded, torch.uint8, device)
         codes[n:].zero_()
@@ -141,6 +145,10 @@ class TernGradCompressor(SeededState, RankwiseDecoder):
         work, n = work_dtype(ctx.dtype), ctx.n
         space = self.work_space(ctx.key, n, work, words.device).view(work)
         total = out if out.dtype == work else self.scratch.get(ctx.key, "sum", n, work, out.device)
+        if on_device(words):
+            index = self.scratch.get(ctx.key, "index", words.shape[1] * 8, torch.int32, words.device)
+            terngrad_device.decode_codes(scales, words, n, ctx.lengths, total, space, index)
+            return out if total is out else out.copy_(total)
         table = code_table(words.device).to(work) if bitpack.little_endian() else None
         for rank in range(words.shape[0]):  # a loop over ranks, not entries
             target = total if rank == 0 else space[:n]
@@ -169,7 +177,8 @@ class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):
     at most 2N, no carry crosses; 4 bits per entry on 4 ranks, 12 on 1024). Decoded as ``(field - N) * scale``.
 
     The flag slot is 1 when a rank's scale is non-finite: MAX may drop a NaN, the flag makes every rank
-    decode that bucket as NaN all the same.
+    decode that bucket as NaN all the same. On the device path the lanes are packed and unpacked by
+    ``device_bits`` (a few operations for any lane width) and scaled in one pass (``terngrad_device``).
     """
 
     collective = ALLREDUCE
@@ -189,6 +198,9 @@ class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):
         """Ternarise: fill the lanes (``payload.tensors[1]``) from the shared scales (``tensors[0]`` after MAX)."""
         ctx, bits = payload.ctx, bitpack.lane_bits(self.world_size)
         codes = self.draw_codes(ctx.values, payload.tensors[0][:-1], ctx.lengths, ctx.key)
+        if on_device(codes):
+            payload.tensors[1].copy_(device_bits.pack(codes[:ctx.n], bits))
+            return
         whole = codes if bitpack.packed_words(codes.numel(), bits) == payload.tensors[1].numel() else codes[:ctx.n]
         payload.tensors[1].copy_(bitpack.pack(whole, bits))
 
@@ -197,11 +209,14 @@ class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):
         hook's bucket, as an all-reduce would), which it returns."""
         scales, lanes = tensors
         work, n, bits = work_dtype(ctx.dtype), ctx.n, bitpack.lane_bits(self.world_size)
+        out = ctx.tensor.reshape(-1)
+        total = out if out.dtype == work else self.scratch.get(ctx.key, "sum", n, work, out.device)
+        if on_device(lanes):
+            terngrad_device.decode_lanes(scales, lanes, n, ctx.lengths, self.world_size, bits, total)
+            return (out if total is out else out.copy_(total)).view_as(ctx.tensor)
         space = self.work_space(ctx.key, n, work, lanes.device, bits).view(work)
         fields = bitpack.unpack(lanes, n, bits, dtype=work, out=space).sub_(self.world_size)
         shared = scales[:-1].to(work) + torch.where(scales[-1] > 0, torch.nan, 0.0).to(work)
-        out = ctx.tensor.reshape(-1)
-        total = out if out.dtype == work else self.scratch.get(ctx.key, "sum", n, work, out.device)
         for f, t, s in zip(torch.split(fields, ctx.lengths), torch.split(total, ctx.lengths), shared.unbind(-1)):
             if f.numel():
                 torch.mul(f, s, out=t)

@@ -1,15 +1,18 @@
 """``natural``: the sign and exponent planes (hypothesis round trip against an independent reference, special
-values), unbiasedness (Monte Carlo), and a 4-rank convergence smoke test."""
+values), unbiasedness (Monte Carlo), each on the CPU and the device path, the draws of each path, and a 4-rank
+convergence smoke test."""
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gcomp import BucketInfo
 from gcomp.compressors.natural import NaturalCompressor
+from tests.compressors.quant_paths import PATHS, cpu_draws, on_path
 from tests.compressors.test_terngrad import assert_converges
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -31,9 +34,15 @@ def _wide(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
+@PATHS
 @PROPERTY
 @given(n=st.integers(1, 300), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1), world=st.integers(1, 4))
-def test_planes_round_trip_to_a_neighbouring_power_of_two(n, dtype, seed, world):
+def test_planes_round_trip_to_a_neighbouring_power_of_two(path, n, dtype, seed, world):
+    with on_path(path):
+        _round_trip(n, dtype, seed, world)
+
+
+def _round_trip(n, dtype, seed, world):
     comps = [NaturalCompressor(seed=r) for r in range(world)]
     xs = [_wide(n, dtype, seed + r) for r in range(world)]
     payloads = [c.compress(x, BucketInfo.single(x)) for c, x in zip(comps, xs)]
@@ -58,7 +67,13 @@ def test_planes_round_trip_to_a_neighbouring_power_of_two(n, dtype, seed, world)
         assert (d[x32 == 0] == 0).all() and not d.signbit()[x32 == 0].any()  # -0 is sent as +0
 
 
-def test_special_values():
+@PATHS
+def test_special_values(path):
+    with on_path(path):
+        _special_values()
+
+
+def _special_values():
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0, -0.5, 2.0**-149, -(2.0**-126)])
     comp = NaturalCompressor()
     p = comp.compress(x, BucketInfo.single(x))
@@ -73,7 +88,8 @@ def test_special_values():
     assert total[0].isnan() and total[1] == float("inf")
 
 
-def test_unbiased():
+@PATHS
+def test_unbiased(path):
     """Mean of 4000 draws within 6 standard errors, entry by entry: Var = (|g| - 2^e)(2^(e+1) - |g|)."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(64, generator=g) * 10.0 ** torch.randint(-3, 4, (64,), generator=g)
@@ -81,9 +97,10 @@ def test_unbiased():
     comp = NaturalCompressor(seed=3)
     trials = 4000
     total = torch.zeros(64, dtype=torch.float64)
-    for _ in range(trials):
-        p = comp.compress(x, BucketInfo.single(x))
-        total += comp.decompress(p.tensors, p.ctx).double()
+    with on_path(path):
+        for _ in range(trials):
+            p = comp.compress(x, BucketInfo.single(x))
+            total += comp.decompress(p.tensors, p.ctx).double()
     a = x.double().abs()
     mantissa, exponent = torch.frexp(a)
     low = torch.where(a < SMALLEST_NORMAL, 0.0, torch.ldexp(torch.ones_like(a), exponent - 1))
@@ -115,6 +132,7 @@ def _reference_exponents(x: torch.Tensor, generator: torch.Generator) -> torch.T
     return (exponent + carry) & 255
 
 
+@cpu_draws
 def test_cpu_draws_take_one_random_byte_per_entry_and_refine_the_ties():
     """The exponents equal the byte-per-entry reference drawn from the compressor's own stream, and the
     stream is left where the reference leaves it (ceil(n / 64) words plus one 15-bit draw per tie)."""
@@ -127,26 +145,67 @@ def test_cpu_draws_take_one_random_byte_per_entry_and_refine_the_ties():
     assert torch.equal(comp.random("cpu").get_state(), reference.get_state())
 
 
-def test_the_low_mantissa_bits_round_up_through_the_ties():
+@PATHS
+def test_the_low_mantissa_bits_round_up_through_the_ties(path):
     """1 + 2^-9 (top mantissa byte 0, low bits 2^14) rounds up with probability 2^-9 only through the 1-in-256
-    ties; 1 + 255/256 + (2^15 - 1) / 2^23 with probability 1 - 2^-23; 1.5 with 1/2: counts within 6 sigma."""
+    ties (on the CPU path); 1 + 255/256 + (2^15 - 1) / 2^23 with probability 1 - 2^-23; 1.5 with 1/2: counts
+    within 6 sigma."""
     n = 1 << 20
     for value, p in ((1 + 2.0**-9, 2.0**-9), (2 - 2.0**-23, 1 - 2.0**-23), (1.5, 0.5)):
         x = torch.full((n,), value)
         comp = NaturalCompressor(seed=2)
-        payload = comp.compress(x, BucketInfo.single(x))
+        with on_path(path):
+            payload = comp.compress(x, BucketInfo.single(x))
         ups = int((payload.tensors[0] == 128).sum())
         assert int((payload.tensors[0] == 127).sum()) + ups == n
         assert abs(ups - n * p) <= 6 * math.sqrt(n * p * (1 - p)) + 1, (value, ups, n * p)
 
 
-def test_nan_codes_decode_as_nan_whether_few_or_many():
-    """NaN codes written where they are (few) or by the dense fallback (more than one word in 256 holds one)."""
+@PATHS
+def test_nan_codes_decode_as_nan_whether_few_or_many(path):
+    """NaN codes written where they are (few) or by the dense fallback (more than one word in 256 holds one); on
+    the device path through the value table. A sum over ranks keeps every rank's NaN."""
     g = torch.Generator().manual_seed(1)
     for density in (0.001, 0.05, 1.0):
         x = torch.randn(40_000, generator=g)
         x[torch.rand(x.numel(), generator=g) < density] = torch.nan
         comp = NaturalCompressor()
-        p = comp.compress(x, BucketInfo.single(x))
-        out = comp.decompress(p.tensors, p.ctx)
+        with on_path(path):
+            p = comp.compress(x, BucketInfo.single(x))
+            out = comp.decompress(p.tensors, p.ctx)
+            clean = comp.compress(torch.ones_like(x), BucketInfo.single(x))
+            total = comp.aggregate([torch.stack([a, b]) for a, b in zip(clean.tensors, p.tensors)], p.ctx)
         assert torch.equal(out.isnan(), x.isnan())
+        assert torch.equal(total.isnan(), x.isnan())
+
+
+def test_the_device_path_carries_one_23_bit_draw_per_entry_from_the_own_stream():
+    """On the device path each exponent is ``(e:m + (u & (2^23 - 1))) >> 23`` for one 23-bit draw ``u`` per entry
+    (two per 64-bit word of a copy of the compressor's stream, over the whole padded draws buffer), and the stream
+    is left where that draw leaves it: nothing refined, nothing looked for."""
+    x = _wide(5000, torch.float32, 11).abs()
+    comp = NaturalCompressor(seed=4)
+    reference = torch.Generator().set_state(comp.random("cpu").get_state())
+    with on_path("device"):
+        p = comp.compress(x, BucketInfo.single(x))
+    words = torch.empty(-(-x.numel() // 64) * 32, dtype=torch.int64).random_(-2**63, None, generator=reference)
+    u = words.view(torch.int32)[:x.numel()].long() & (2**23 - 1)
+    expected = ((x.view(torch.int32).long() + u) >> 23) & 255
+    assert torch.equal(p.tensors[0].long(), expected)
+    assert torch.equal(comp.random("cpu").get_state(), reference.get_state())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_device_decode_is_the_cpu_decode(dtype):
+    """The value table gives exactly the CPU path's bfloat16-built values, NaN codes and infinities included, for
+    one payload and for a sum over ranks."""
+    x = _wide(3000, dtype, 3)
+    x[::97] = torch.nan
+    comp = NaturalCompressor(seed=1)
+    payloads = [comp.compress(x * (r + 1), BucketInfo.single(x)) for r in range(3)]
+    stacked = [torch.stack([p.tensors[j] for p in payloads]) for j in range(2)]
+    cpu = [comp.decompress(payloads[0].tensors, payloads[0].ctx), comp.aggregate(stacked, payloads[0].ctx).clone()]
+    with on_path("device"):
+        device = [comp.decompress(payloads[0].tensors, payloads[0].ctx), comp.aggregate(stacked, payloads[0].ctx)]
+    for a, b in zip(cpu, device):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())

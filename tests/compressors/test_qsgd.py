@@ -1,5 +1,5 @@
-"""``qsgd``: the level fields (hypothesis round trip, every width), unbiasedness (Monte Carlo), non-finite norms, and
-a 4-rank convergence smoke test."""
+"""``qsgd``: the level fields (hypothesis round trip, every width), unbiasedness (Monte Carlo), non-finite norms, each
+on the CPU and the device path, the device path's draws, and a 4-rank convergence smoke test."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 import gcomp
 from gcomp.collectives import bitpack
 from gcomp.compressors.qsgd import QSGDCompressor, field_bits
+from gcomp.compressors.quantise import draw_units
+from tests.compressors.quant_paths import PATHS, on_path
 from tests.compressors.test_terngrad import assert_converges, gradient, layout, segment_views
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -23,13 +25,19 @@ def test_field_bits_is_sign_plus_level_bits():
     assert field_bits(127) == 8 and field_bits(1) == 2 and field_bits(255) == 9
 
 
+@PATHS
 @PROPERTY
 @given(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=4).filter(lambda s: sum(s) > 0),
        levels=st.one_of(st.sampled_from([1, 2, 7, 127, 128, 255, 2**15 - 1]), st.integers(1, 2**15 - 1)),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1), zeros=st.sampled_from([0.0, 0.3, 1.0]),
        world=st.integers(1, 4))
 @example(sizes=[8], levels=1, dtype=torch.float32, seed=0, zeros=0.0, world=1)  # 8 entries: one word's bytes
-def test_levels_round_trip_and_aggregate_is_the_sum_of_decodes(sizes, levels, dtype, seed, zeros, world):
+def test_levels_round_trip_and_aggregate_is_the_sum_of_decodes(path, sizes, levels, dtype, seed, zeros, world):
+    with on_path(path):
+        _round_trip(sizes, levels, dtype, seed, zeros, world)
+
+
+def _round_trip(sizes, levels, dtype, seed, zeros, world):
     info = layout(sizes, dtype)
     comps = [QSGDCompressor(levels, seed=r) for r in range(world)]
     xs = [gradient(sizes, dtype, seed + r, zeros) for r in range(world)]
@@ -63,8 +71,9 @@ def test_levels_round_trip_and_aggregate_is_the_sum_of_decodes(sizes, levels, dt
     assert ((total.double() - parts.sum(0)).abs() <= (world + 1) * eps * parts.abs().sum(0)).all()
 
 
+@PATHS
 @pytest.mark.parametrize("levels", [1, 4, 127])
-def test_unbiased(levels):
+def test_unbiased(path, levels):
     """Mean of 3000 draws within 6 standard errors of g, entry by entry: Var = (r / s)^2 p (1 - p), p the
     fractional part of s |g| / r."""
     sizes = [40, 9, 1]
@@ -73,9 +82,10 @@ def test_unbiased(levels):
     comp = QSGDCompressor(levels, seed=2)
     trials = 3000
     total = torch.zeros(x.numel(), dtype=torch.float64)
-    for _ in range(trials):
-        p = comp.compress(x, info)
-        total += comp.decompress(p.tensors, p.ctx).double()
+    with on_path(path):
+        for _ in range(trials):
+            p = comp.compress(x, info)
+            total += comp.decompress(p.tensors, p.ctx).double()
     r = torch.cat([torch.full((n,), float(torch.linalg.vector_norm(v)))
                    for n, v in zip(sizes, segment_views(x, sizes))])
     g = x.double()
@@ -85,15 +95,18 @@ def test_unbiased(levels):
     assert ((total / trials - g).abs() <= bound).all()
 
 
+@PATHS
+@pytest.mark.parametrize("levels", [127, 3])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nonfinite_entry_makes_its_parameter_nonfinite(bad):
+def test_nonfinite_entry_makes_its_parameter_nonfinite(path, levels, bad):
     sizes = [10, 6]
     x = gradient(sizes, torch.float32, seed=0)
     x[2] = bad
-    comp = QSGDCompressor(127)
-    p = comp.compress(x, layout(sizes, torch.float32))
-    other = comp.compress(torch.ones(16), layout(sizes, torch.float32))
-    out = comp.aggregate([torch.stack([a, b]) for a, b in zip(p.tensors, other.tensors)], p.ctx)
+    comp = QSGDCompressor(levels)
+    with on_path(path):
+        p = comp.compress(x, layout(sizes, torch.float32))
+        other = comp.compress(torch.ones(16), layout(sizes, torch.float32))
+        out = comp.aggregate([torch.stack([a, b]) for a, b in zip(p.tensors, other.tensors)], p.ctx)
     assert not out[:10].isfinite().any()
     assert out[10:].isfinite().all()
 
@@ -103,6 +116,28 @@ def test_default_is_one_byte_per_entry():
     x = torch.randn(1000)
     p = method.compressor.compress(x, gcomp.BucketInfo.single(x))
     assert p.nbytes == 1000 + 4  # 8-bit fields, one fp32 norm
+
+
+@pytest.mark.parametrize("levels", [127, 3])
+def test_the_device_path_draws_the_cpu_paths_units_from_the_stream_on_the_buckets_device(levels):
+    """The device path rounds ``s g / r`` against the same draws of the same stream (``draw_units``, here a copy of
+    it) in one pass over the bucket: every field is ``floor(s g / r + w) - 1 + s`` for the norms it sent (their
+    sum of squares may round otherwise than ``vector_norm``), and the stream ends where that draw leaves it."""
+    sizes = [300, 0, 41, 1]
+    info, x = layout(sizes, torch.float32), gradient(sizes, torch.float32, seed=5, zeros=0.2)
+    comp = QSGDCompressor(levels, seed=3)
+    reference = torch.Generator().set_state(comp.random("cpu").get_state())
+    with on_path("device"):
+        p = comp.compress(x, info)
+    norms, words = p.tensors
+    exact = torch.cat([torch.full((n,), float(r)) for n, r in zip(sizes, norms)])
+    torch.testing.assert_close(exact[:300], torch.full((300,), float(torch.linalg.vector_norm(x[:300]))))
+    words_drawn = comp.work_space(info.key, x.numel(), torch.float32, "cpu").numel()  # the whole draws buffer
+    units = draw_units(torch.empty(words_drawn, dtype=torch.int64), x.numel(), torch.float32, reference)
+    factors = torch.where(exact > 0, levels / exact, 0.0)
+    expected = torch.addcmul(units, x, factors).floor_().clamp_(1 - levels, 1 + levels) + levels - 1
+    assert torch.equal(bitpack.unpack(words, x.numel(), field_bits(levels)), expected.long())
+    assert torch.equal(comp.random("cpu").get_state(), reference.get_state())
 
 
 def test_qsgd_lowers_the_loss_on_four_ranks():

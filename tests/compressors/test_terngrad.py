@@ -1,5 +1,6 @@
 """``terngrad``: the 2-bit wire (hypothesis), unbiasedness (Monte Carlo), clipping, the shared-scale integer lanes
-(simulated ranks and real gloo ranks, non-finite flag), and a 4-rank convergence smoke test.
+(simulated ranks and real gloo ranks, non-finite flag), each on the CPU and the device path, the draws of each
+path, and a 4-rank convergence smoke test.
 
 ``converge_job`` / ``assert_converges`` are shared with the qsgd and natural tests.
 """
@@ -19,6 +20,7 @@ from gcomp import BucketInfo
 from gcomp.collectives import bitpack
 from gcomp.compressors.quantise import wire_scale
 from gcomp.compressors.terngrad import SharedScaleTernGradCompressor, TernGradCompressor
+from tests.compressors.quant_paths import PATHS, cpu_draws, on_path
 from tests.distributed import run_ranks
 from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, mlp, teacher_labels, train
 
@@ -47,11 +49,17 @@ def segment_views(x: torch.Tensor, sizes: list[int]):
 # --- the 2-bit wire -------------------------------------------------------------------------------------------
 
 
+@PATHS
 @PROPERTY
 @given(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=5).filter(lambda s: sum(s) > 0),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1), zeros=st.sampled_from([0.0, 0.3, 1.0]),
        world=st.integers(1, 5))
-def test_codes_round_trip_and_aggregate_is_the_sum_of_decodes(sizes, dtype, seed, zeros, world):
+def test_codes_round_trip_and_aggregate_is_the_sum_of_decodes(path, sizes, dtype, seed, zeros, world):
+    with on_path(path):
+        _round_trip(sizes, dtype, seed, zeros, world)
+
+
+def _round_trip(sizes, dtype, seed, zeros, world):
     info = layout(sizes, dtype)
     comps = [TernGradCompressor(clip=0.0, seed=r) for r in range(world)]
     xs = [gradient(sizes, dtype, seed + r, zeros) for r in range(world)]
@@ -84,17 +92,20 @@ def test_codes_round_trip_and_aggregate_is_the_sum_of_decodes(sizes, dtype, seed
     assert ((total.double() - parts.sum(0)).abs() <= (world + 1) * eps * parts.abs().sum(0)).all()
 
 
-def test_fp64_scale_is_rounded_up_to_fp32():
+@PATHS
+def test_fp64_scale_is_rounded_up_to_fp32(path):
     x = torch.tensor([1.0 + 2.0**-40, -0.5], dtype=torch.float64)
     assert wire_scale(x.abs().max()).double() > x.abs().max()
-    payload = TernGradCompressor(clip=0.0).compress(x, BucketInfo.single(x))
+    with on_path(path):
+        payload = TernGradCompressor(clip=0.0).compress(x, BucketInfo.single(x))
     assert payload.tensors[0].double() >= 1.0 + 2.0**-40
 
 
 # --- statistics ------------------------------------------------------------------------------------------------
 
 
-def test_unbiased_without_clipping():
+@PATHS
+def test_unbiased_without_clipping(path):
     """Mean of 4000 draws within 6 standard errors of g, entry by entry; Var(s t) = s |g| - g^2."""
     sizes = [40, 9, 1]
     info = layout(sizes, torch.float32)
@@ -102,9 +113,10 @@ def test_unbiased_without_clipping():
     comp = TernGradCompressor(clip=0.0, seed=1)
     trials = 4000
     total = torch.zeros(x.numel(), dtype=torch.float64)
-    for _ in range(trials):
-        p = comp.compress(x, info)
-        total += comp.decompress(p.tensors, p.ctx).double()
+    with on_path(path):
+        for _ in range(trials):
+            p = comp.compress(x, info)
+            total += comp.decompress(p.tensors, p.ctx).double()
     scale = torch.cat([torch.full((n,), float(v.abs().max())) for n, v in zip(sizes, segment_views(x, sizes))])
     g = x.double()
     var = (scale.double() * g.abs() - g * g).clamp(min=0)
@@ -112,30 +124,34 @@ def test_unbiased_without_clipping():
     assert ((total / trials - g).abs() <= bound).all()
 
 
-def test_clipping_caps_the_scale_and_sends_outliers_as_the_scale():
+@PATHS
+def test_clipping_caps_the_scale_and_sends_outliers_as_the_scale(path):
     x = torch.zeros(1000)
     x[:999] = torch.randn(999, generator=torch.Generator().manual_seed(0))
     x[999] = 100.0  # an outlier far past 2.5 sigma
     comp = TernGradCompressor(clip=2.5)
-    p = comp.compress(x, BucketInfo.single(x))
-    s = p.tensors[0][0]
-    torch.testing.assert_close(s, 2.5 * torch.std(x, correction=0))
-    assert comp.decompress(p.tensors, p.ctx)[999] == s  # |g| > s: always +s
-    # a one-entry parameter has std 0: it is not clipped to zero
-    one = torch.tensor([3.0])
-    p = comp.compress(one, BucketInfo.single(one))
-    assert p.tensors[0][0] == 3.0 and comp.decompress(p.tensors, p.ctx)[0] == 3.0
+    with on_path(path):
+        p = comp.compress(x, BucketInfo.single(x))
+        s = p.tensors[0][0]
+        torch.testing.assert_close(s, 2.5 * torch.std(x, correction=0))
+        assert comp.decompress(p.tensors, p.ctx)[999] == s  # |g| > s: always +s
+        # a one-entry parameter has std 0: it is not clipped to zero
+        one = torch.tensor([3.0])
+        p = comp.compress(one, BucketInfo.single(one))
+        assert p.tensors[0][0] == 3.0 and comp.decompress(p.tensors, p.ctx)[0] == 3.0
 
 
+@PATHS
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nonfinite_entry_makes_its_parameter_nonfinite(bad):
+def test_nonfinite_entry_makes_its_parameter_nonfinite(path, bad):
     sizes = [10, 6]
     x = gradient(sizes, torch.float32, seed=0)
     x[2] = bad
     comp = TernGradCompressor(clip=2.5)
-    p = comp.compress(x, layout(sizes, torch.float32))
-    other = comp.compress(torch.ones(16), layout(sizes, torch.float32))
-    out = comp.aggregate([torch.stack([a, b]) for a, b in zip(p.tensors, other.tensors)], p.ctx)
+    with on_path(path):
+        p = comp.compress(x, layout(sizes, torch.float32))
+        other = comp.compress(torch.ones(16), layout(sizes, torch.float32))
+        out = comp.aggregate([torch.stack([a, b]) for a, b in zip(p.tensors, other.tensors)], p.ctx)
     assert not out[:10].isfinite().any()
     assert out[10:].isfinite().all()
 
@@ -161,10 +177,16 @@ def _simulate(xs: list[torch.Tensor], info: BucketInfo, clip: float = 0.0):
     return comps, payloads, shared, lanes
 
 
+@PATHS
 @PROPERTY
 @given(sizes=st.lists(st.integers(1, 150), min_size=1, max_size=4), world=st.integers(1, 9),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1), clip=st.sampled_from([0.0, 2.5]))
-def test_integer_sum_decode_equals_the_sum_of_decoded_codes(sizes, world, dtype, seed, clip):
+def test_integer_sum_decode_equals_the_sum_of_decoded_codes(path, sizes, world, dtype, seed, clip):
+    with on_path(path):
+        _integer_sum(sizes, world, dtype, seed, clip)
+
+
+def _integer_sum(sizes, world, dtype, seed, clip):
     info = layout(sizes, dtype)
     xs = [gradient(sizes, dtype, seed + r, zeros=0.2) for r in range(world)]
     comps, payloads, shared, lanes = _simulate(xs, info, clip)
@@ -182,7 +204,8 @@ def test_integer_sum_decode_equals_the_sum_of_decoded_codes(sizes, world, dtype,
         assert torch.equal(out, expected)
 
 
-def test_shared_scale_unbiased_on_three_ranks():
+@PATHS
+def test_shared_scale_unbiased_on_three_ranks(path):
     sizes = [30, 5]
     info = layout(sizes, torch.float32)
     xs = [gradient(sizes, torch.float32, seed=r) for r in range(3)]
@@ -191,13 +214,14 @@ def test_shared_scale_unbiased_on_three_ranks():
     for c in comps:
         c.world_size = world
     total = torch.zeros(35, dtype=torch.float64)
-    for _ in range(trials):  # copies: the decode writes into the tensor that was compressed, as the hook's bucket
-        payloads = [c.compress(x.clone(), info) for c, x in zip(comps, xs)]
-        shared = torch.stack([p.tensors[0] for p in payloads]).amax(0)
-        for c, p in zip(comps, payloads):
-            p.tensors[0].copy_(shared)
-            c.second_round(p)
-        total += comps[0].decompress([shared, sum(p.tensors[1] for p in payloads)], payloads[0].ctx).double()
+    with on_path(path):
+        for _ in range(trials):  # copies: the decode writes into the compressed tensor, as into the hook's bucket
+            payloads = [c.compress(x.clone(), info) for c, x in zip(comps, xs)]
+            shared = torch.stack([p.tensors[0] for p in payloads]).amax(0)
+            for c, p in zip(comps, payloads):
+                p.tensors[0].copy_(shared)
+                c.second_round(p)
+            total += comps[0].decompress([shared, sum(p.tensors[1] for p in payloads)], payloads[0].ctx).double()
     scale = torch.cat([torch.full((k,), float(s)) for k, s in zip(sizes, shared[:-1])]).double()
     g = torch.stack([x.double() for x in xs])
     var = (scale * g.abs() - g * g).clamp(min=0).sum(0)
@@ -205,18 +229,20 @@ def test_shared_scale_unbiased_on_three_ranks():
     assert ((total / trials - g.sum(0)).abs() <= bound).all()
 
 
+@PATHS
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_shared_scale_flag_surfaces_a_nan_the_max_dropped(bad):
+def test_shared_scale_flag_surfaces_a_nan_the_max_dropped(path, bad):
     sizes = [8, 8]
     info = layout(sizes, torch.float32)
     xs = [gradient(sizes, torch.float32, seed=r) for r in range(3)]
     xs[2][12] = bad  # in the second parameter of the last rank
-    comps, payloads, shared, lanes = _simulate(xs, info)
-    if bad != bad:
-        assert shared[1].isfinite()  # fmax dropped the NaN scale: only the flag carries it
-    assert shared[-1] == 1
-    for c, p in zip(comps, payloads):
-        assert c.decompress([shared, lanes.clone()], p.ctx).isnan().all()
+    with on_path(path):
+        comps, payloads, shared, lanes = _simulate(xs, info)
+        if bad != bad:
+            assert shared[1].isfinite()  # fmax dropped the NaN scale: only the flag carries it
+        assert shared[-1] == 1
+        for c, p in zip(comps, payloads):
+            assert c.decompress([shared, lanes.clone()], p.ctx).isnan().all()
 
 
 # --- real ranks ------------------------------------------------------------------------------------------------
@@ -334,9 +360,15 @@ def test_shared_scale_in_ddp_with_several_buckets(static):
         assert r["stats"]["bytes_sent"] < r["stats"]["bytes_dense"] / 4 + 400
 
 
-def test_work_buffers_are_kept_per_layout_and_the_hook_decode_writes_into_the_bucket():
+@PATHS
+def test_work_buffers_are_kept_per_layout_and_the_hook_decode_writes_into_the_bucket(path):
     """The draws and codes buffers of a layout are allocated once and reused at every later step; ``aggregate``
     returns the compressed tensor itself (no result of the bucket's size per step), ``decompress`` a new one."""
+    with on_path(path):
+        _work_buffers()
+
+
+def _work_buffers():
     comp = TernGradCompressor(clip=0.0)
     x = gradient([300, 20], torch.float32, seed=1)
     info = layout([300, 20], torch.float32)
@@ -367,6 +399,7 @@ def test_pack_codes_and_the_table_decode_match_bitpack(words, seed):
     assert torch.equal(decoded, bitpack.unpack(expected, n, 2, dtype=torch.float32) - 1)
 
 
+@cpu_draws
 def test_codes_are_bernoulli_hits_drawn_a_byte_per_entry_from_the_own_stream():
     """The codes equal ``bernoulli.draw_hits`` against ``256 |g| / scale`` on a copy of the compressor's stream
     (one random byte per entry), signed by g; the stream is left where that draw leaves it."""
@@ -382,4 +415,28 @@ def test_codes_are_bernoulli_hits_drawn_a_byte_per_entry_from_the_own_stream():
     bernoulli.draw_hits(hit, prob, reference, {})
     expected = torch.where(hit, torch.where(x > 0, 2, 0), 1)
     assert torch.equal(bitpack.unpack(p.tensors[1], x.numel(), 2), expected)
+    assert torch.equal(comp.random("cpu").get_state(), reference.get_state())
+
+
+@pytest.mark.parametrize("collective", ["allgather", "allreduce"])
+def test_the_device_path_draws_one_uniform_per_entry_from_the_own_stream(collective):
+    """On the device path the codes equal ``bernoulli.draw_hits_device`` (one uniform on [0, 256) per entry) against
+    ``256 |g| / scale`` on a copy of the compressor's stream, signed by g, in either form; the stream is left where
+    that draw leaves it."""
+    from gcomp.compressors import bernoulli
+    sizes = [3000, 17, 0, 1]
+    info, x = layout(sizes, torch.float32), gradient(sizes, torch.float32, seed=6, zeros=0.1)
+    comp = (TernGradCompressor if collective == "allgather" else SharedScaleTernGradCompressor)(clip=2.5, seed=2)
+    reference = torch.Generator().set_state(comp.random("cpu").get_state())
+    with on_path("device"):
+        p = comp.compress(x, info)
+        if collective == "allreduce":
+            comp.second_round(p)
+    scales = p.tensors[0][:len(sizes)]
+    prob = torch.cat([v.abs() / s * 256 for v, s in zip(segment_views(x, sizes), scales)])
+    hit = torch.empty(x.numel(), dtype=torch.bool)
+    bernoulli.draw_hits_device(hit, prob, reference, {})
+    expected = torch.where(hit, torch.where(x > 0, 2, 0), 1)
+    bits = 2 if collective == "allgather" else bitpack.lane_bits(1)
+    assert torch.equal(bitpack.unpack(p.tensors[1], x.numel(), bits), expected)
     assert torch.equal(comp.random("cpu").get_state(), reference.get_state())
