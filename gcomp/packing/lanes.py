@@ -38,8 +38,8 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     words = -(-flat.numel() // per_word)
     if flat.numel() != words * per_word:  # callers hand whole words; a ragged tail is padded, in the narrow dtype
         flat = torch.cat([flat, flat.new_zeros(words * per_word - flat.numel())])
-    fields = flat.view(words, per_word).to(torch.int64).bitwise_left_shift_(_shifts(bits, values.device))
-    return fields.sum(1)
+    # shifted into an int64 copy (the type promotion: the input is never written, whatever its dtype)
+    return torch.bitwise_left_shift(flat.view(words, per_word), _shifts(bits, values.device)).sum(1)
 
 
 def unpack(words: torch.Tensor, n: int, bits: int, dtype: torch.dtype = torch.int64,
