@@ -56,6 +56,12 @@ class PacTrainCompressor(ChainedCompressor):
     stateful = True
     reads_model = True  # the pruning masks
     stat_keys = ("packed_buckets", "freezes", "unfreezes", "mask_mismatches", "one_round_buckets", "scale_resyncs")
+    # The tracker reads, at each step, the flags the step before received (some rank's masks changed; with them
+    # the ternary resync flag): one ``tolist`` of a pinned host copy whose asynchronous copy was issued a step
+    # earlier behind an event (``gcomp.packing.host_flags``). It waits for that one copy only, long finished
+    # unless the host runs a whole step ahead of the device; it decides which collective this step makes (dense
+    # or packed), so every rank must know it on the host.
+    host_syncs = 1
 
     def __init__(self, stable_steps: int = 5, dense_above: float = 0.9, ternary: bool = False,
                  clip: float = 0.0, error_feedback: bool = False, seed: int = 0, granularity: str = ENTRIES,
@@ -142,7 +148,7 @@ class PacTrainCompressor(ChainedCompressor):
         support, state, codec = track.support, track.state, self.codec
         if not self.ternary:
             packed = view.packed(support, state, tensor)
-            packed[..., -1] = float(changed_here)
+            packed[..., -1] = changed_here  # a bool, or on the device path a tensor (gcomp.packing.mask_check)
             return Payload([packed], PackedCtx(PACKED, track, tensor, view))
         face, _, words = view.ternary(support, codec)
         codec.gather_values(face, state, tensor)

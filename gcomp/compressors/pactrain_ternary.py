@@ -27,7 +27,9 @@ import torch
 from gcomp.collectives import bitpack
 from gcomp.compressors import bernoulli, scale_grid
 from gcomp.compressors.quantise import RankGenerator, per_segment_, segment_scales
-from gcomp.packing.host_flags import host_flag, read_host_flag
+from gcomp.kernels import on_device
+from gcomp.packing import lanes as lanes_
+from gcomp.packing.host_flags import flag_set
 from gcomp.packing.state import Carry, LayoutState, TernaryWork
 from gcomp.packing.support import Support
 
@@ -98,7 +100,7 @@ class TernaryCodec:
 
     def pack(self, codes: torch.Tensor) -> torch.Tensor:
         """The codes (uint8, zero-padded to whole words) packed into int64 lane words."""
-        return bitpack.pack(codes, self.bits)
+        return lanes_.pack(codes, self.bits)
 
     # --- encode -----------------------------------------------------------------------------------------------
 
@@ -107,7 +109,7 @@ class TernaryCodec:
         bucket; or None when this step must take two rounds (``rounds=2``, the first packed step, or a rank asked
         for a resync, counted)."""
         pending, carry.resync = carry.resync, None
-        if pending is not None and bool(read_host_flag(pending)):
+        if pending is not None and flag_set(pending):  # read with the tracker's flags (host_flags.Slot)
             self.count("scale_resyncs")
             carry.exponents = carry.scale = None
         if self.rounds != 1 or carry.exponents is None:
@@ -157,7 +159,7 @@ class TernaryCodec:
         # A NaN scale might be lost in a MAX all-reduce (max(a, NaN) depends on the order), so a flag slot
         # carries the fact itself: a non-finite gradient on any rank decodes to non-finite on every rank.
         scales[-1] = (~torch.isfinite(scales[:-2])).any()
-        scales[-2] = float(changed)
+        scales[-2] = changed  # a bool, or the device path's tensor (gcomp.packing.mask_check)
         return scales
 
     def draw_codes(self, support: Support, state: LayoutState, shared: torch.Tensor) -> torch.Tensor:
@@ -195,8 +197,9 @@ class TernaryCodec:
         local = scales[:-2]
         codes = self.draw_codes(support, state, shared)
         if not self.error_feedback and self.clip == 0:
-            over = local > shared  # some value above the carried scale went as +-scale: its excess is carried
-            if local.device.type != "cpu" or bool(over.any()):  # a free check on the host; a GPU never waits
+            # some value above the carried scale went as +-scale: its excess is carried (a free check on the host;
+            # the device path never waits on it)
+            if on_device(local) or bool((local > shared).any()):
                 self._carry_excess(support, state, shared)
         hist, resync = scale_grid.marks(local, exponents, self.world_size)
         return codes, hist, resync
@@ -240,7 +243,7 @@ class TernaryCodec:
         nonfinite, changed)``."""
         codes, hist, nonfinite, changed, resync = split_lanes(lanes, words)
         self.carry_scale(carry, scale_grid.next_exponent(hist, exponents, self.world_size))
-        carry.resync = host_flag(resync > 0)
+        carry.resync = resync > 0  # sent to the host with the tracker's flags (host_flags.receive_changed)
         return codes, nonfinite, changed
 
     def decode_values(self, support: Support, state: LayoutState, shared: torch.Tensor, nonfinite: torch.Tensor,
@@ -249,7 +252,7 @@ class TernaryCodec:
         ``nonfinite`` (the ranks' count or flag of non-finite values) is above 0. In fp32 (the ``prob`` buffer),
         or a 16-bit ``dtype`` (in the ``draws`` buffer's storage, free again after the draws)."""
         work = state.ternary
-        values = bitpack.unpack(lanes, support.kept, self.bits, out=work.prob)  # as long as the lanes' fields
+        values = lanes_.unpack(lanes, support.kept, self.bits, out=work.prob)  # as long as the lanes' fields
         values.sub_(self.world_size)
         # A non-finite gradient on any rank: every scale becomes NaN, and so every decoded entry.
         shared = shared + torch.where(nonfinite > 0, torch.nan, 0.0)

@@ -14,7 +14,6 @@ P_i^ P_i^T M_i, which is all a pure local codec can say about it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Annotated
 
 import math
@@ -23,60 +22,16 @@ import warnings
 import torch
 
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
+from gcomp.compressors import powersgd_batched as batched
+# orthogonalise is imported from here too (its home until the device path)
+from gcomp.compressors.powersgd_plan import _Ctx, _Matrix, _Plan, orthogonalise  # noqa: F401
 from gcomp.compressors.quantise import stream_seed
 from gcomp.core import ALLREDUCE, Payload, check_state, sum_by_name, tensor_dict
+from gcomp.kernels import on_device
 from gcomp.memory import NoMemory
 from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
-
-ORTHOGONALISATION_EPS = 1e-8
-
-
-def orthogonalise(matrix: torch.Tensor, eps: float = ORTHOGONALISATION_EPS) -> torch.Tensor:
-    """Orthonormal columns spanning those of an (n, r) matrix, written in place; deterministic, so every rank
-    turns the same summed P into the same P^.
-
-    Rank 1: a normalisation (``eps`` keeps a zero column at zero). Rank > 1: Householder QR, which stays
-    orthonormal when P is rank-deficient (a gradient of lower rank than r, or r >= min(n, m)); Gram-Schmidt
-    would normalise rounding noise into columns that are not orthogonal, and P^ P^T M would no longer be a
-    projection (PyTorch's hook uses Gram-Schmidt up to rank 2).
-    """
-    if matrix.shape[1] == 1:
-        return matrix.div_(torch.linalg.vector_norm(matrix) + eps)
-    return matrix.copy_(torch.linalg.qr(matrix).Q)
-
-
-@dataclass(frozen=True)
-class _Matrix:
-    name: str
-    offset: int  # in the bucket
-    n: int
-    m: int
-    r: int
-    p_offset: int  # in the first round's buffer (after the dense entries)
-    q_offset: int  # in the Q buffer
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How one bucket layout is sent: dense segments first, then every compressed matrix's P."""
-
-    dense: tuple[tuple[int, int], ...]  # (offset in the bucket, numel)
-    dense_numel: int
-    matrices: tuple[_Matrix, ...]
-    p_numel: int
-    q_numel: int
-
-
-@dataclass
-class _Ctx:
-    plan: _Plan
-    numel: int
-    dtype: torch.dtype
-    compensated: list = field(default_factory=list)  # M (+ error) per matrix, in the compute dtype
-    exchanged: bool = False  # True once the P sum is orthogonalised in place and Q holds M^T P^
-
 
 class PowerSGDCompressor(ChainedCompressor):
     """Rank-r PowerSGD: per compressed n x m matrix, P (n x r) in a first SUM all-reduce together with the dense
@@ -108,11 +63,13 @@ class PowerSGDCompressor(ChainedCompressor):
         self._queries: dict[str, torch.Tensor] = {}  # warm start: last step's mean Q per parameter
         self._errors: dict[str, torch.Tensor] = {}
         self._initial: dict[str, torch.Tensor] = {}  # first Q per parameter (derived from seed and name)
+        self._stacks: dict[str, batched.Stacks] = {}  # the device path's layouts (``powersgd_batched``)
 
     def bind(self, model, group, stats) -> None:
         if model is not None:
             self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
             self._plans.clear()
+            self._stacks.clear()
             if not any(self._compresses(shape) for shape in self.shapes.values()):
                 warnings.warn(f"powersgd: with rank={self.approx_rank} and min_compression_rate="
                               f"{self.min_compression_rate} no parameter of this model is compressed (every matrix "
@@ -185,6 +142,12 @@ class PowerSGDCompressor(ChainedCompressor):
     def compress(self, tensor, bucket):
         plan = self._plan(bucket)
         cdtype = self._compute_dtype(tensor.dtype)
+        if on_device(tensor):  # matrices stacked by shape: no loop over parameters (``powersgd_batched``)
+            stacks = self._stacks.get(bucket.key)
+            if stacks is None:
+                stacks = self._stacks[bucket.key] = batched.stacks_of(plan, tensor.numel())
+            if stacks.tiles:
+                return batched.compress(self, stacks, tensor, cdtype)
         round1 = torch.empty(plan.dense_numel + plan.p_numel, dtype=cdtype, device=tensor.device)
         start = 0
         for offset, numel in plan.dense:  # a loop over parameters, not entries
@@ -220,6 +183,8 @@ class PowerSGDCompressor(ChainedCompressor):
     def second_round(self, payload: Payload) -> None:
         """With ``tensors[0]`` holding the summed P: orthogonalise it in place, fill ``tensors[1]`` with this rank's
         Q = M^T P^ and keep the error M - P^ Q^T."""
+        if payload.ctx.batched is not None:
+            return batched.second_round(self, payload)
         round1, q_buffer = payload.tensors
         ctx: _Ctx = payload.ctx
         for mat, matrix in zip(ctx.plan.matrices, ctx.compensated):
@@ -237,6 +202,8 @@ class PowerSGDCompressor(ChainedCompressor):
     def decompress(self, tensors, ctx: _Ctx):
         """The summed payload after both rounds, whose mean Q is kept as the next step's warm start; or (never
         exchanged) this rank's own payload decoded alone: P^ = orthogonalise(P), Q = M^T P^, P^ Q^T."""
+        if ctx.batched is not None:
+            return batched.decompress(self, tensors, ctx)
         plan = ctx.plan
         if self.warm_start and ctx.exchanged:
             for mat in plan.matrices:

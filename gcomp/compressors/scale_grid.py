@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from gcomp.collectives import bitpack
+from gcomp.packing import lanes
 
 PER_OCTAVE = 8  # grid points per octave
 SLOTS = 64  # K moves by -CENTRE .. SLOTS - 1 - CENTRE grid points (-4 .. +3.875 octaves) from one step to the next
@@ -31,14 +32,21 @@ CENTRE = SLOTS // 2  # the slot of a rank whose largest value sits at this step'
 UNSET = -(1 << 30)  # a segment with no scale yet: zero on every rank when its scale was last shared
 K_MIN, K_MAX = PER_OCTAVE * -126, PER_OCTAVE * 127  # fp32's normal range
 _FRACTIONS = tuple(2.0 ** (j / PER_OCTAVE) for j in range(PER_OCTAVE))
+_FRACTIONS_ON: dict[str, torch.Tensor] = {}  # per device: a copy from the host each call would wait for the device
+
+
+def _fractions(device) -> torch.Tensor:
+    found = _FRACTIONS_ON.get(str(device))
+    if found is None:
+        found = _FRACTIONS_ON[str(device)] = torch.tensor(_FRACTIONS, dtype=torch.float32, device=device)
+    return found
 
 
 def grid_scale(k: torch.Tensor) -> torch.Tensor:
     """``2**(k/8)`` in fp32 (the same bits on every rank: a constant times an exact power of two), 0 where
     ``k`` is ``UNSET``."""
     q = torch.div(k, PER_OCTAVE, rounding_mode="floor")
-    fractions = torch.tensor(_FRACTIONS, dtype=torch.float32, device=k.device)
-    base = fractions[(k - PER_OCTAVE * q).clamp(0, PER_OCTAVE - 1).long()]
+    base = _fractions(k.device)[(k - PER_OCTAVE * q).clamp(0, PER_OCTAVE - 1).long()]
     return torch.where(k == UNSET, 0.0, torch.ldexp(base, q.clamp(-200, 200)))
 
 
@@ -67,14 +75,14 @@ def marks(local_max: torch.Tensor, k: torch.Tensor, world: int) -> tuple[torch.T
     resync = (valid & (~known | (slot > SLOTS - 1))).any().to(torch.int64)
     fields = torch.zeros(local_max.numel(), SLOTS, dtype=torch.uint8, device=local_max.device)
     fields.scatter_(1, slot.clamp(0, SLOTS - 1).unsqueeze(1), (valid & known).to(torch.uint8).unsqueeze(1))
-    return bitpack.pack(fields.reshape(-1), bitpack.lane_bits(world, 1)), resync
+    return lanes.pack(fields.reshape(-1), bitpack.lane_bits(world, 1)), resync
 
 
 def next_exponent(words: torch.Tensor, k: torch.Tensor, world: int) -> torch.Tensor:
     """The shared exponents of the next step from the summed counting lanes: the highest slot any rank marked,
     per segment; a segment nobody marked keeps its exponent."""
     segments = k.numel()
-    counts = bitpack.unpack(words, segments * SLOTS, bitpack.lane_bits(world, 1)).view(segments, SLOTS)
+    counts = lanes.unpack(words, segments * SLOTS, bitpack.lane_bits(world, 1)).view(segments, SLOTS)
     slots = torch.arange(SLOTS, device=k.device)
     top = torch.where(counts > 0, slots, -1).amax(1)
     moved = (k + top - CENTRE).clamp(K_MIN, K_MAX)

@@ -3,6 +3,9 @@
 - ``support``: ``Support``, the interface; ``SupportIndex`` keeps single entries (contiguous slices plus int32
   positions) and ``bucket_support`` builds a bucket's flat support from its parameters' masks;
 - ``groups``: ``GroupSupport`` keeps whole filters and channels (one index per group, none per entry);
+- ``positions``: both supports' device path (``gcomp.kernels.on_device``): one int32 index of every kept position,
+  one ``index_select`` to pack and one ``index_add_`` to unpack; ``lanes``: PacTrain's integer lanes packed in a
+  few whole-tensor operations there; ``mask_check``: the in-place mask check, with no host read there;
 - ``tracker``: ``MaskTracker``, the per-bucket state machine that decides, from what every rank shares,
   when a bucket's support is stable and agreed on, so that it may travel packed; ``host_flags``: the flags
   it receives, read at the next step; ``sync_bumps``: DDP's buffer broadcasts told from mask edits;

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from gcomp.core import check_state
-from gcomp.packing.host_flags import read_host_flag
+from gcomp.packing.host_flags import flag_set, read_host_flag
 from gcomp.packing.state import DENSE, PACKED, TRACKING, BucketTrack, Carry
 
 
@@ -20,14 +20,14 @@ def track_entry(track: BucketTrack) -> dict:
     """The checkpoint entry of one track (the module docstring)."""
     entry = {"mode": track.mode, "stable": track.stable}
     if track.pending is not None:
-        entry["pending"] = read_host_flag(track.pending).clone()
+        entry["pending"] = read_host_flag(track.pending)[:2].clone()  # a resync flag riding with them: below
     support = track.support if track.support is not None else track.candidate
     if support is not None:
         entry["digest"] = support.digest.cpu()
     carry = track.state.carry
     if carry.residual is not None:
         entry["residual"] = carry.residual
-    resync = carry.resync is not None and bool(read_host_flag(carry.resync).any())
+    resync = carry.resync is not None and flag_set(carry.resync)
     if carry.exponents is not None and not resync:
         entry["exponents"] = carry.exponents.cpu()
     return entry

@@ -5,13 +5,20 @@ contiguous and the channels_last layouts alike; an input channel (dim 1) is a ru
 position. So each parameter's kept entries are gathered with one ``index_select`` along its group dimension,
 indexed by kept *group* (one integer per filter), never by entry. The packed vector holds each parameter's
 kept groups in logical order, parameter after parameter, in bucket order.
+
+On the device path (``gcomp.kernels.on_device``) a loop over parameters is a launch or two each: there the
+support packs through one int32 index of every kept position instead (``gcomp.packing.positions``), made at its
+first device-path call: 4 bytes per kept entry, the price of one ``index_select`` per bucket.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
+from gcomp.kernels import on_device
+from gcomp.packing.positions import gather_at, kept_positions, scatter_at
 from gcomp.packing.support import Support
 from gcomp.pruning.masks import positions_digest
 
@@ -88,11 +95,23 @@ class GroupSupport(Support):
 
     @property
     def index_bytes(self) -> int:
-        """Memory the group indices hold (8 bytes per filter or channel, none per entry)."""
-        return sum(p.keep.numel() * 8 + p.drop.numel() * 8 for p in self.pieces if p.dim is not None)
+        """Memory the group indices hold (8 bytes per filter or channel, none per entry), and once made the device
+        path's ``positions`` (4 bytes per kept entry)."""
+        groups = sum(p.keep.numel() * 8 + p.drop.numel() * 8 for p in self.pieces if p.dim is not None)
+        return groups + (4 * self.kept if "positions" in vars(self) else 0)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """int32, every kept position in packed order: the device path's index (made when first needed)."""
+        return kept_positions(self._gather, self.numel, self.kept, self.digest.device)
 
     def gather(self, bucket: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out[:kept]`` = the kept groups of ``bucket``, parameter by parameter (``out`` may be longer)."""
+        if on_device(bucket):
+            return gather_at(self.positions, bucket, out)
+        return self._gather(bucket, out)
+
+    def _gather(self, bucket: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         for p in self.pieces:
             if p.dim is None:
                 out[p.at:p.at + p.kept].view(p.size).copy_(p.view(bucket))
@@ -102,6 +121,8 @@ class GroupSupport(Support):
 
     def scatter(self, packed: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
         """Write ``packed[:kept]`` onto the kept groups of ``bucket`` and zero the pruned ones."""
+        if on_device(bucket):
+            return scatter_at(self.positions, packed, bucket)
         for p in self.pieces:
             view = p.view(bucket)
             if p.dim is None:

@@ -6,6 +6,7 @@ from functools import cached_property
 import torch
 
 from gcomp.collectives import bitpack
+from gcomp.packing import lanes
 from gcomp.sharding.layout import ShardLayout
 from gcomp.packing.support import Support
 from gcomp.pruning.masks import positions_digest
@@ -122,4 +123,4 @@ class TernaryRows:
         """Lay the values' codes (``codes[:values.kept]``, uint8) into ``out`` ((world, fields) uint8, zero where
         no code goes: the padding fields stay as allocated) and pack it: ``(world, words)`` int64."""
         out.view(-1).index_copy_(0, self.dest, codes[:self.values.kept])
-        return bitpack.pack(out.view(-1), self.bits).view(self.world, self.words)
+        return lanes.pack(out.view(-1), self.bits).view(self.world, self.words)

@@ -10,6 +10,7 @@ memory, allocated again at the first step that needs them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,9 +33,10 @@ class Carry:
     # in one round (``scale_grid``); None before the first shared scale, and after a resync
     exponents: torch.Tensor | None = None
     scale: torch.Tensor | None = None  # fp32, ``scale_grid.grid_scale(exponents)``; None until first needed
-    # a one-round step's "some rank asks a resync" flag on its way to the host (``host_flags.host_flag``): the
-    # next step reads it, and then takes the exact scale in two rounds
-    resync: tuple | None = None
+    # a one-round step's "some rank asks a resync" flag, a bool tensor as decoded; the tracker sends it to the host
+    # with its own flags (``host_flags.receive_changed``: then a ``Slot`` of them), the next step reads it and then
+    # takes the exact scale in two rounds
+    resync: Any = None
 
 
 @dataclass(slots=True)
@@ -73,11 +75,14 @@ class BucketTrack:
     mode: str = TRACKING
     stable: int = 0  # consecutive steps in which no rank's masks changed
     signature: tuple | None = None
-    pending: tuple | None = None  # ([any rank changed, digests agree] on the host, its copy's CUDA event)
+    # [any rank changed, digests agree(, some rank asks a resync)] on their way to the host (``host_flags.HostFlags``)
+    pending: Any = None
     candidate: Support | None = None
     support: Support | None = None
     state: LayoutState = field(default_factory=LayoutState)  # the method's, dropped with the support
-    mask_digest: torch.Tensor | None = None  # a packed bucket's masks as they were when it froze
+    # a packed bucket's masks as they were when it froze (``gcomp.packing.mask_check``: a digest, or on the device
+    # path a bool copy)
+    mask_digest: torch.Tensor | None = None
     unchecked: int = 0  # packed steps since the masks were last compared with ``mask_digest``
     fresh: bool = False  # made for a new layout, not restored: its first step may send a candidate at once
 

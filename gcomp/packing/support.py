@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from gcomp.bucket import INT32_LIMIT
+from gcomp.kernels import on_device
+from gcomp.packing.positions import gather_at, kept_positions, scatter_at
 from gcomp.pruning.masks import positions_digest
 
 _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -64,6 +67,11 @@ class SupportIndex(Support):
     The packed vector lists the kept entries in bucket order, so each parameter's kept entries form one
     contiguous segment of it (``segments``), which is what per-parameter ternary scales need. The index
     costs 4 bytes per kept entry outside long runs: at most half an fp32 bucket when half is pruned.
+
+    On the device path (``gcomp.kernels.on_device``) gather and scatter take one int32 index of every kept
+    position instead (``positions``, ``gcomp.packing.positions``): 4 bytes per kept entry, long runs included.
+    A support built on the device path makes only that index (its slices, ``pieces``, are made if ever asked
+    for); one built on the CPU makes its pieces, and the index at its first device-path call.
     """
 
     def __init__(self, support: torch.Tensor, numels: tuple[int, ...], min_run: int = MIN_RUN):
@@ -77,8 +85,25 @@ class SupportIndex(Support):
             torch.zeros(0, dtype=torch.int64)
         self.segments: tuple[int, ...] = tuple(kept_per_param.tolist())
         self.kept = sum(self.segments)
-        self.digest = positions_digest(support.nonzero().reshape(-1))
-        self.pieces = self._pieces(support, min_run)
+        kept = support.nonzero().reshape(-1)
+        self.digest = positions_digest(kept)
+        self.min_run = min_run
+        if on_device(support):
+            self.positions = kept.to(torch.int32)
+        else:
+            self.pieces = self._pieces(support, min_run)
+
+    @cached_property
+    def pieces(self) -> list:
+        """The slices and scattered positions of the CPU path (made from ``positions`` when first needed)."""
+        support = torch.zeros(self.numel, dtype=torch.bool, device=self.positions.device)
+        return self._pieces(support.index_fill_(0, self.positions.long(), True), self.min_run)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """int32, every kept position in bucket order: the device path's index (made when first needed)."""
+        device = next((p.positions.device for p in self.pieces if isinstance(p, _Scattered)), self.digest.device)
+        return kept_positions(self._gather, self.numel, self.kept, device)
 
     @staticmethod
     def _pieces(support: torch.Tensor, min_run: int) -> list:
@@ -101,11 +126,18 @@ class SupportIndex(Support):
 
     @property
     def index_bytes(self) -> int:
-        """Memory the packing index holds (int32 positions; slices cost nothing)."""
-        return sum(p.positions.numel() * 4 for p in self.pieces if isinstance(p, _Scattered))
+        """Memory the packing indices made so far hold (int32 positions; slices cost nothing)."""
+        made = vars(self)
+        pieces = sum(p.positions.numel() * 4 for p in made.get("pieces", ()) if isinstance(p, _Scattered))
+        return pieces + (4 * self.kept if "positions" in made else 0)
 
     def gather(self, bucket: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out[:kept]`` = the kept entries of ``bucket``, in bucket order (``out`` may be longer)."""
+        if on_device(bucket):
+            return gather_at(self.positions, bucket, out)
+        return self._gather(bucket, out)
+
+    def _gather(self, bucket: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         for p in self.pieces:
             if isinstance(p, _Slice):
                 out[p.at:p.at + p.stop - p.start].copy_(bucket[p.start:p.stop])
@@ -115,6 +147,8 @@ class SupportIndex(Support):
 
     def scatter(self, packed: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
         """Write ``packed[:kept]`` onto the kept entries of ``bucket`` and zero every other entry."""
+        if on_device(bucket):
+            return scatter_at(self.positions, packed, bucket)
         # index_add_ onto zeros is a copy that takes int32 positions (index_copy_ wants int64). Adding the
         # bits as integers of the same width is exact too, and fp16's index_add_ is some 7x slower than int16's.
         ints = _SAME_WIDTH_INT.get(bucket.element_size())

@@ -42,14 +42,14 @@ from torch import nn
 from gcomp.bucket import BucketInfo
 from gcomp.packing.checkpoint import carry_of, check_track, track_entry
 from gcomp.packing.groups import GroupSupport
+from gcomp.packing.mask_check import mask_state, masks_differ
 from gcomp.pruning.masks import mask_of, masks_digest, named_masks, parameter_of
 from gcomp.packing.support import Support, SupportIndex, bucket_support
-from gcomp.packing.host_flags import host_flag, read_host_flag
+from gcomp.packing.host_flags import FLAGS, HostFlags, receive_changed, receive_flags, tracking_flags
 from gcomp.packing.state import DENSE, PACKED, TRACKING, BucketTrack
 from gcomp.packing.sync_bumps import SyncBumps
 
 ENTRIES, GROUPS = "entries", "groups"  # what a support is made of: kept entries, or whole filters and channels
-FLAGS = 5  # changed, digest hash, digest count, -hash, -count: MAX of both signs gives max and min
 # builds a layout's support from its masks (one per name of the bucket, None where unmasked): ``decide``'s
 # ``build``, in place of the tracker's own (a DDP bucket's ``SupportIndex`` or ``GroupSupport``)
 Builder = Callable[[list], Support]
@@ -162,8 +162,8 @@ class MaskTracker:
             changed_here |= self._edited_in_place(info, track)
         pending, track.pending = track.pending, None
         any_changed, agree = True, False
-        if pending is not None:  # its copy was issued a step ago
-            any_changed, agree = (bool(v) for v in read_host_flag(pending).tolist())
+        if pending is not None:  # its copy was issued a step ago: this read is the one host_syncs declares
+            any_changed, agree = (bool(v) for v in pending.values()[:2])
 
         if track.mode == PACKED and any_changed:
             self._count("unfreezes")
@@ -190,21 +190,22 @@ class MaskTracker:
                 track.candidate = self._build(info, device, build=build)
         return track, changed_here
 
-    def _edited_in_place(self, info: BucketInfo, track: BucketTrack) -> bool:
+    def _edited_in_place(self, info: BucketInfo, track: BucketTrack) -> bool | torch.Tensor:
         """Every ``check_every`` packed steps: whether the masks differ from those the bucket froze on. An edit
         through ``mask.data`` leaves the mask's ``_version`` as it was, so only their contents tell; the answer
-        rides in the packed payload's changed entry, so no rank packs on stale masks for longer than that."""
+        rides in the packed payload's changed entry, so no rank packs on stale masks for longer than that. On the
+        device path a 0-d bool tensor (``gcomp.packing.mask_check``): nothing waits for it."""
         track.unchecked += 1
         if track.unchecked < self.check_every:
             return False
         track.unchecked = 0
-        now = self._mask_digest(info)
+        now = self._mask_digest(info, track.mask_digest)
         if track.mask_digest is None:  # a track made by hand (a benchmark) starts from the masks it sees
             track.mask_digest = now
-        return not torch.equal(now, track.mask_digest)
+        return masks_differ(now, track.mask_digest)
 
-    def _mask_digest(self, info: BucketInfo) -> torch.Tensor:
-        return masks_digest([m for m in self._masks(info) if m is not None]).cpu()
+    def _mask_digest(self, info: BucketInfo, like: torch.Tensor | None = None) -> torch.Tensor:
+        return mask_state([m for m in self._masks(info) if m is not None], like)
 
     def _restore(self, info: BucketInfo, device, build: Builder | None = None) -> BucketTrack:
         """A new track, or the checkpointed one when the support it froze (or had out as a candidate),
@@ -220,7 +221,7 @@ class MaskTracker:
         if support is not None and not torch.equal(support.digest.cpu(), saved["digest"].cpu()):
             return BucketTrack()
         track = BucketTrack(mode=saved["mode"], stable=saved["stable"],
-                            pending=(saved["pending"], None) if "pending" in saved else None)
+                            pending=HostFlags(saved["pending"]) if "pending" in saved else None)
         if track.mode == TRACKING:
             track.candidate = support
         else:
@@ -259,27 +260,7 @@ class MaskTracker:
         if key in self.stats:
             self.stats[key] += 1
 
-    @staticmethod
-    def flags(track: BucketTrack, changed_here: bool, device) -> torch.Tensor:
-        """The int64 flags a tracking step sends with MAX: [changed, hash, count, -hash, -count]."""
-        out = torch.zeros(FLAGS, dtype=torch.int64, device=device)
-        out[0] = int(changed_here)
-        if track.candidate is not None:
-            digest = track.candidate.digest.to(device)
-            out[1:3] = digest
-            out[3:5] = -digest
-        return out
-
-    @staticmethod
-    def receive_flags(track: BucketTrack, flags: torch.Tensor) -> None:
-        """Keep what a tracking step received (MAX over ranks), to be read at the next step."""
-        agree = (flags[1:3] == -flags[3:5]).all()
-        # a rank that offered no candidate (count 0) beside one that did: its masks changed since install,
-        # so this counts as a change (tracking restarts), not as ranks holding different masks
-        offered_by_some = (flags[2] > 0) & (flags[4] == 0)
-        track.pending = host_flag(torch.stack([(flags[0] > 0) | offered_by_some, agree]))
-
-    @staticmethod
-    def receive_changed(track: BucketTrack, changed: torch.Tensor) -> None:
-        """Keep a packed step's count of ranks whose masks changed (digests agreed when it froze)."""
-        track.pending = host_flag(torch.stack([changed.reshape(()) > 0, torch.ones_like(changed.reshape(()) > 0)]))
+    # what a step sends and receives besides the bucket (``gcomp.packing.host_flags``)
+    flags = staticmethod(tracking_flags)
+    receive_flags = staticmethod(receive_flags)
+    receive_changed = staticmethod(receive_changed)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from gcomp.packing.groups import GroupSupport, group_dim
 from gcomp.pruning.masks import positions_digest
 from gcomp.packing.support import bucket_support
-from tests.packing.test_support import DTYPES, PROPERTY, _memory_order, _strides
+from tests.packing.test_support import DTYPES, PROPERTY, _memory_order, _strides, device_index_bytes
 
 KINDS = ["none", "filters", "channels", "unstructured", "pruned", "kept"]
 
@@ -99,7 +99,8 @@ def test_packed_sum_scattered_back_is_the_dense_sum_on_whole_groups(params, worl
 
 def test_kept_filters_of_a_contiguous_weight_are_slices_of_the_bucket_in_order():
     """Filters 1 and 3 of a (4, 2, 3, 3) conv weight after a 5-entry bias: entries 5+18..5+36 and 5+54..5+72,
-    packed as they lie, and indexed by 2 filters (16 bytes), not 36 entries."""
+    packed as they lie, and indexed by 2 filters (16 bytes), not 36 entries (on the CPU path; the device path's
+    index holds every kept position)."""
     mask = torch.zeros(4, 2, 3, 3)
     mask[[1, 3]] = 1
     size = mask.size()
@@ -107,7 +108,7 @@ def test_kept_filters_of_a_contiguous_weight_are_slices_of_the_bucket_in_order()
     bucket = torch.arange(77.0)
     expected = torch.cat([torch.arange(5.0), torch.arange(23.0, 41.0), torch.arange(59.0, 77.0)])
     assert torch.equal(groups.gather(bucket, torch.empty(groups.kept)), expected)
-    assert groups.index_bytes == 8 * 4  # 2 kept and 2 pruned filter indices
+    assert groups.index_bytes == 8 * 4 + device_index_bytes(groups.kept)  # 2 kept and 2 pruned filter indices
 
 
 def test_group_dim_picks_the_dimension_that_sends_least():

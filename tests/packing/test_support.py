@@ -11,11 +11,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gcomp.kernels import forced_kind
 from gcomp.pruning.masks import positions_digest
 from gcomp.packing.support import SupportIndex, bucket_support
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# the whole process on the device path (GCOMP_FORCE_DEVICE_PATH): a support then also holds the device path's
+# index of every kept position (gcomp.packing.positions), 4 bytes per kept entry
+DEVICE_PATH = forced_kind() is not None
+
+
+def device_index_bytes(kept: int) -> int:
+    """What the device path's index adds to ``index_bytes``: nothing on the CPU path."""
+    return 4 * kept if DEVICE_PATH else 0
 
 
 @st.composite
@@ -101,8 +110,9 @@ def test_packed_sum_scattered_back_is_the_dense_sum_on_the_support(params, world
     assert index.segments == tuple(int(s.sum()) for s in support.split(list(numels)))
     assert torch.equal(index.digest, positions_digest(support.nonzero()))
     _pieces_are_a_partition(index, support, min_run)
-    assert index.index_bytes == 4 * sum(p.positions.numel() for p in index.pieces if hasattr(p, "positions"))
-    assert index.index_bytes <= 4 * index.kept
+    pieces_bytes = 4 * sum(p.positions.numel() for p in index.pieces if hasattr(p, "positions"))
+    assert index.index_bytes == pieces_bytes + device_index_bytes(index.kept)
+    assert pieces_bytes <= 4 * index.kept
 
     # each rank's gradient, with values off the support too: packing must drop them
     grads = [torch.randn(numel, generator=g).to(dtype) for _ in range(world)]
@@ -146,7 +156,8 @@ def test_fully_pruned_and_empty_buckets():
     everything_pruned.scatter(torch.empty(0), bucket)
     assert (bucket == 0).all()
     whole = SupportIndex(torch.ones(600, dtype=torch.bool), (600,))
-    assert whole.index_bytes == 0 and len(whole.pieces) == 1  # one slice, no index
+    assert len(whole.pieces) == 1  # one slice, no index (on the CPU path)
+    assert whole.index_bytes == device_index_bytes(600)
 
 
 def test_bad_supports_are_clear_errors():
