@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from gcomp.kernels import on_device
+
 SCALE = 256  # the caller's probabilities come multiplied by this (a power of two: exact)
 
 
@@ -21,7 +23,7 @@ def draw_hits(hit: torch.Tensor, scaled: torch.Tensor, generator: torch.Generato
     entry independently, from ``generator``. ``scaled`` (fp32) is overwritten; ``work`` holds this caller's
     buffers across calls (kept per bucket by the caller: no allocation of the entries' size per call)."""
     n = scaled.numel()
-    if scaled.device.type != "cpu":
+    if on_device(scaled):
         return draw_hits_device(hit, scaled, generator, work)
     words = _buffer(work, "bytes", -(-n // 8), torch.int64, scaled.device)
     words.random_(-2**63, None, generator=generator)  # every bit uniform: eight random bytes a word

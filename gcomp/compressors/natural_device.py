@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gcomp.compressors import device_bits
+from gcomp.collectives import bitpack_device
 
 MANTISSA_BITS = 23
 _MANTISSA = (1 << MANTISSA_BITS) - 1
@@ -59,7 +59,7 @@ def decode(exponents: torch.Tensor, signs: torch.Tensor, n: int, total: torch.Te
     ``words * 64`` entries; ``rows``: int32, ``words * 8`` entries."""
     values, sign = value_table(total.device, total.dtype), _table("sign", signs.device, torch.int32)
     for rank in range(exponents.shape[0]):  # a loop over ranks, not entries
-        code = device_bits.table_decode(signs[rank], -(-n // 8), sign, index, rows)[:n]
+        code = bitpack_device.table_decode(signs[rank], -(-n // 8), sign, index, rows)[:n]
         code.add_(exponents[rank])  # sign * 256 + exponent
         if rank:
             total.add_(torch.index_select(values, 0, code, out=space[:n]))

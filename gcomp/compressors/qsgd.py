@@ -6,8 +6,8 @@ from typing import Annotated
 
 import torch
 
-from gcomp.collectives import AllgatherCommunicator, bitpack
-from gcomp.compressors import device_bits, qsgd_device
+from gcomp.collectives import AllgatherCommunicator, bitpack, bitpack_device
+from gcomp.compressors import qsgd_device
 from gcomp.compressors.quantise import (RankGenerator, RankwiseCtx, RankwiseDecoder, Scratch, SeededState,
                                         add_scaled_, draw_units, per_segment_, rank_and_world, segment_lengths,
                                         wire_scale, work_dtype)
@@ -103,7 +103,7 @@ class QSGDCompressor(SeededState, RankwiseDecoder):
         if self.bits == 8 and _BYTE_WORDS:
             packed = fields.view(torch.int64)
         else:
-            packed = device_bits.pack(fields, self.bits) if device else bitpack.pack(fields, self.bits)
+            packed = bitpack_device.pack(fields, self.bits) if device else bitpack.pack(fields, self.bits)
         return Payload([norms, packed], RankwiseCtx(n, tensor.dtype, lengths, bucket.key, tensor))
 
     def decode(self, gathered, ctx: RankwiseCtx, out: torch.Tensor) -> torch.Tensor:

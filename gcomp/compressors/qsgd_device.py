@@ -7,13 +7,13 @@ per parameter: the same value up to the order of the sum. Each factor ``s / r`` 
 one ``segments.expand``, so the stochastic rounding is one ``addcmul`` over the bucket against the same draws
 (``quantise.draw_units``, from the method's stream on the bucket's device). The decode loops over ranks (the
 world, not the bucket): per rank, the fields become levels in one conversion and one subtraction, and are scaled
-and summed in one ``addcmul``; fields narrower or wider than a byte go through ``device_bits``.
+and summed in one ``addcmul``; fields narrower or wider than a byte go through ``bitpack_device``.
 """
 from __future__ import annotations
 
 import torch
 
-from gcomp.compressors import device_bits
+from gcomp.collectives import bitpack_device
 from gcomp.compressors.quantise import draw_units, wire_scale
 from gcomp.kernels import segments
 
@@ -45,7 +45,7 @@ def decode(norms: torch.Tensor, words: torch.Tensor, n: int, lengths: tuple[int,
         if bits == 8 and byte_words:  # 8-bit fields are the words' own bytes
             target.copy_(words[rank].view(torch.uint8)[:n])
         else:
-            device_bits.unpack(words[rank], n, bits, out=target)
+            bitpack_device.unpack(words[rank], n, bits, out=target)
         target.sub_(levels)  # the signed level, exact in the work dtype
         scale = segments.expand(units[rank], lengths, n)
         if rank:

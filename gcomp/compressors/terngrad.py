@@ -5,9 +5,9 @@ from typing import Annotated
 
 import torch
 
-from gcomp.collectives import AllgatherCommunicator, bitpack
+from gcomp.collectives import AllgatherCommunicator, bitpack, bitpack_device
 from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
-from gcomp.compressors import bernoulli, device_bits, terngrad_device
+from gcomp.compressors import bernoulli, terngrad_device
 from gcomp.compressors.quantise import (RankGenerator, RankwiseCtx, RankwiseDecoder, Scratch, SeededState,
                                         per_segment_, rank_and_world, segment_lengths, segment_scales, wire_scale,
                                         work_dtype)
@@ -178,7 +178,7 @@ class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):
 
     The flag slot is 1 when a rank's scale is non-finite: MAX may drop a NaN, the flag makes every rank
     decode that bucket as NaN all the same. On the device path the lanes are packed and unpacked by
-    ``device_bits`` (a few operations for any lane width) and scaled in one pass (``terngrad_device``).
+    ``bitpack_device`` (a few operations for any lane width) and scaled in one pass (``terngrad_device``).
     """
 
     collective = ALLREDUCE
@@ -199,7 +199,7 @@ class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):
         ctx, bits = payload.ctx, bitpack.lane_bits(self.world_size)
         codes = self.draw_codes(ctx.values, payload.tensors[0][:-1], ctx.lengths, ctx.key)
         if on_device(codes):
-            payload.tensors[1].copy_(device_bits.pack(codes[:ctx.n], bits))
+            payload.tensors[1].copy_(bitpack_device.pack(codes[:ctx.n], bits))
             return
         whole = codes if bitpack.packed_words(codes.numel(), bits) == payload.tensors[1].numel() else codes[:ctx.n]
         payload.tensors[1].copy_(bitpack.pack(whole, bits))

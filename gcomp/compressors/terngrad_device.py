@@ -5,7 +5,7 @@ The encode is the CPU path's with its two per-bucket loops gone: the scales are 
 (``quantise.segment_scales``), each scale reaches its entries by one ``segments.expand`` (``quantise.per_segment_``),
 and the hits are one uniform per entry from the method's stream on the bucket's device
 (``bernoulli.draw_hits_device``) instead of a random byte refined where it ties. The all-reduce form's lanes are
-packed and unpacked by ``device_bits`` (a few operations for any lane width). The decodes here loop over ranks (the
+packed and unpacked by ``bitpack_device`` (a few operations for any lane width). The decodes here loop over ranks (the
 world, not the bucket): per rank, every byte of the codes gives its 4 values of ``t`` in one gather through the
 code table, and the scales multiply them into the sum in one ``addcmul``.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from gcomp.collectives import bitpack
-from gcomp.compressors import device_bits
+from gcomp.collectives import bitpack_device
 from gcomp.kernels import segments
 
 _TABLES: dict[tuple[str, torch.dtype], torch.Tensor] = {}
@@ -40,7 +40,7 @@ def decode_codes(scales: torch.Tensor, words: torch.Tensor, n: int, lengths: tup
     units = scales.to(total.dtype)
     rows = -(-n // 4)  # the bytes that hold the n codes
     for rank in range(words.shape[0]):  # a loop over ranks, not entries
-        codes = device_bits.table_decode(words[rank], rows, table, space, index)[:n]
+        codes = bitpack_device.table_decode(words[rank], rows, table, space, index)[:n]
         scale = segments.expand(units[rank], lengths, n)
         if rank:
             total.addcmul_(codes, scale)
@@ -53,6 +53,6 @@ def decode_lanes(shared: torch.Tensor, lanes: torch.Tensor, n: int, lengths: tup
                  total: torch.Tensor) -> torch.Tensor:
     """``(field - world) * shared scale`` of the summed ``lanes`` written into ``total`` (flat, the work dtype);
     ``shared``: the MAX-reduced scales, then the non-finite flag (NaN everywhere where it is set)."""
-    device_bits.unpack(lanes, n, bits, out=total).sub_(world)
+    bitpack_device.unpack(lanes, n, bits, out=total).sub_(world)
     scale = shared[:-1].to(total.dtype) + torch.where(shared[-1] > 0, torch.nan, 0.0).to(total.dtype)
     return total.mul_(segments.expand(scale, lengths, n))

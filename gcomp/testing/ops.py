@@ -134,7 +134,8 @@ def count_reduction(make: Callable[[], gcomp.MethodUnit], params: int, numel: in
     pruned to ``prune`` at random first. One rank of a process group must be running."""
     module = holder(params, numel)
     method = make()
-    if method.reads_model:
+    if method.reads_model:  # the same masks on every rank, so that a packing method freezes and packs
+        torch.manual_seed(seed)
         for name, _ in list(module.named_parameters()):
             torch.nn.utils.prune.random_unstructured(module, name, amount=prune)
     bucket_params = list(module.parameters())[::-1]

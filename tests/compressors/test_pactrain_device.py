@@ -19,12 +19,11 @@ from tests.compressors.device_count_jobs import SMALL, job_on_device_path, job_p
 from tests.distributed import run_ranks_once
 
 
-def _bernoulli_waits() -> bool:
-    """Whether ``bernoulli.draw_hits`` synchronises on the device path (its device variant is not there yet)."""
+def test_bernoulli_draws_on_the_device_path_read_nothing_on_the_host():
     hit, work = torch.empty(64, dtype=torch.bool), {}
     with kernels.forced(), counting() as counter:
         bernoulli.draw_hits(hit, torch.full((64,), 128.5), torch.Generator(), work)
-    return bool(counter.syncs)
+    assert not counter.syncs and counter.ops.get("nonzero", 0) == 0
 
 
 def _counts() -> dict:
@@ -32,9 +31,7 @@ def _counts() -> dict:
     return run_ranks_once(("packed-device-counts",), 2, job_packed_counts, specs, SMALL, timeout=600)[0]
 
 
-@pytest.mark.parametrize("spec", ["pactrain", "prunex", pytest.param("pactrain:ternary=true", marks=pytest.mark.xfail(
-    _bernoulli_waits(), reason="bernoulli.draw_hits takes its CPU path (nonzero) under gcomp.kernels.forced: its "
-    "device variant is another change", strict=True))])
+@pytest.mark.parametrize("spec", ["pactrain", "prunex", "pactrain:ternary=true"])
 def test_a_packed_bucket_is_bucket_wide_with_one_declared_host_read(spec):
     counts = _counts()
     assert counts[(spec, *SMALL[0])]["ops"].get("index_select")  # a packed step was counted, not a tracking one

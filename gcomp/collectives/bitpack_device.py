@@ -1,4 +1,5 @@
-"""Bit fields on the device path: ``gcomp.collectives.bitpack``'s ``pack`` and ``unpack`` with the same layout (field
+"""Bit fields on the device path (``gcomp.kernels.on_device``): ``gcomp.collectives.bitpack``'s ``pack`` and ``unpack``
+with the same layout (field
 j of word w holds entry ``w * (64 // bits) + j``), and byte-table decodes, each a fixed handful of operations
 whatever the bucket's size and the field width.
 

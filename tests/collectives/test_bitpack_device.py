@@ -1,4 +1,4 @@
-"""``device_bits``: the device path's bit fields are ``bitpack``'s, for every width (hypothesis), summed lanes
+"""``bitpack_device``: the device path's bit fields are ``bitpack``'s, for every width (hypothesis), summed lanes
 included, and its table decode is the CPU path's."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gcomp.collectives import bitpack
-from gcomp.compressors import device_bits
+from gcomp.collectives import bitpack_device
 from gcomp.compressors.terngrad import code_table, unpack_codes
 from gcomp.testing.ops import counting
 
@@ -20,11 +20,11 @@ def test_pack_and_unpack_are_bitpacks(bits, n, seed):
     values = torch.randint(0, 2**top, (n,), generator=g, dtype=torch.int64)
     if bits == 63:  # the top bit of a 63-bit field too
         values = values * 2 + torch.randint(0, 2, (n,), generator=g)
-    words = device_bits.pack(values, bits)
+    words = bitpack_device.pack(values, bits)
     assert torch.equal(words, bitpack.pack(values, bits))
-    assert torch.equal(device_bits.unpack(words, n, bits), values)
+    assert torch.equal(bitpack_device.unpack(words, n, bits), values)
     out = torch.empty(n + 5, dtype=torch.float64)
-    assert torch.equal(device_bits.unpack(words, n, bits, out=out), values.double())
+    assert torch.equal(bitpack_device.unpack(words, n, bits, out=out), values.double())
 
 
 @settings(max_examples=30, deadline=None)
@@ -38,8 +38,8 @@ def test_summed_lanes_unpack_to_the_sums(world, n, seed):
     codes += [torch.full((n,), 2, dtype=torch.uint8)] * (world - len(codes))
     total = torch.zeros(bitpack.packed_words(n, bits), dtype=torch.int64)
     for c in codes:
-        total += device_bits.pack(c, bits)
-    assert torch.equal(device_bits.unpack(total, n, bits), sum(c.long() for c in codes))
+        total += bitpack_device.pack(c, bits)
+    assert torch.equal(bitpack_device.unpack(total, n, bits), sum(c.long() for c in codes))
 
 
 @settings(max_examples=30, deadline=None)
@@ -50,7 +50,7 @@ def test_the_table_decode_is_the_cpu_paths(words, cut, seed):
     n = words * 32 - cut
     table = code_table("cpu")
     out = torch.empty(words * 32)
-    decoded = device_bits.table_decode(packed, -(-n // 4), table, out, torch.empty(words * 8, dtype=torch.int32))
+    decoded = bitpack_device.table_decode(packed, -(-n // 4), table, out, torch.empty(words * 8, dtype=torch.int32))
     assert torch.equal(decoded[:n], unpack_codes(packed, n, table, torch.empty(words * 32)))
 
 
@@ -59,11 +59,11 @@ def test_a_few_operations_for_any_width_and_length():
     shifts of a width are made once, before)."""
     seen = set()
     for bits in (3, 21):
-        device_bits.shifts(bits, torch.device("cpu"))
+        bitpack_device.shifts(bits, torch.device("cpu"))
         for n in (1 << 10, 1 << 20):
             values = torch.ones(n, dtype=torch.uint8)
             with counting() as counter:
-                device_bits.unpack(device_bits.pack(values, bits), n, bits, dtype=torch.float32)
+                bitpack_device.unpack(bitpack_device.pack(values, bits), n, bits, dtype=torch.float32)
             assert not counter.syncs
             seen.add(sum(counter.ops.values()))
     assert len(seen) == 1 and seen.pop() <= 16
