@@ -48,7 +48,7 @@ def test_method_specs():
     assert parse_method("pactrain:ternary=true").params == {"ternary": True}
     assert parse_method("topk:ratio=0.01").collective == "allgather"
     assert parse_method("torch:powersgd").one_bucket
-    for bad, message in (("torch:bf16", "unknown PyTorch hook"), ("topk:rat=1", "parameter of topk"),
+    for bad, message in (("torch:int8", "unknown PyTorch hook"), ("topk:rat=1", "parameter of topk"),
                          ("topk:ratio=2", "'ratio' must be in"), ("nope", "nope")):
         with pytest.raises(ValueError, match=message):
             parse_method(bad)
