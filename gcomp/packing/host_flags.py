@@ -22,7 +22,10 @@ FLAGS = 5  # a tracking step's: changed, digest hash, digest count, -hash, -coun
 
 class HostFlags:
     """``flags`` on their way to the host: on a GPU an asynchronous copy into pinned memory with an event to wait
-    on, so that the step that receives them never waits on it; elsewhere the tensor itself."""
+    on, so that the step that receives them never waits on it; elsewhere the tensor itself. One per bucket and step,
+    replacing the last: slotted, it holds nothing beyond its copy, its event and its values once read."""
+
+    __slots__ = ("event", "_values", "host")
 
     def __init__(self, flags: torch.Tensor):
         self.event = None
