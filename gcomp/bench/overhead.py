@@ -16,8 +16,9 @@ machine does falls on all of them alike. Per method:
 - ``device ms`` (CUDA): the device time of the kernels the profiler attributes to the hook's call.
 
 Methods that prune (``pactrain``, ``prunex``) train the model pruned by magnitude at 0.5 first (DDP's own row is
-the unpruned model: the masks' multiply is part of what they add). A method that fails leaves a row with its
-``error``.
+the unpruned model: the masks' multiply is part of what they add). On the CPU (gloo) PyTorch's PowerSGD hook runs
+with one bucket, as in ``gcomp bench`` (with several in flight it deadlocks gloo). A method that fails leaves a row
+with its ``error``.
 """
 from __future__ import annotations
 
@@ -157,8 +158,10 @@ class _Run:
         model = model.to(device)
         if kind == "image" and device.type == "cuda":
             model = model.to(memory_format=torch.channels_last)
+        # PyTorch's PowerSGD hook deadlocks gloo with several buckets in flight: on the CPU it gets one
+        one = self.method is not None and self.method.one_bucket and device.type != "cuda"
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                        else None)
+                                                        else None, **({"bucket_cap_mb": 1e6} if one else {}))
         self.timers = _attach(ddp, self.method)
         opt = torch.optim.SGD(ddp.parameters(), lr=config.lr)
         x, y = models.batch(model, kind, config.batch, device, config.seed)
