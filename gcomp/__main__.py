@@ -1,5 +1,3 @@
-import sys
+from gcomp.cli import run
 
-from gcomp.cli import main
-
-sys.exit(main())
+run()

@@ -233,5 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     return args.run(args)
 
 
+def run() -> None:
+    """The ``gcomp`` command: ``main``, then the end of the process once gcomp's collectives are settled and the
+    output flushed, skipping the interpreter's shutdown. PyTorch's own hooks, which the benchmarks run beside
+    gcomp's methods, leave gloo's threads finishing their callbacks, which gcomp cannot settle; there CPython (before
+    3.14) ends such a thread inside a C++ destructor and the process aborts after its work is done ("terminate
+    called ... Resource deadlock avoided": seen in 2 of 5 runs of ``gcomp bench --codec``)."""
+    code = main()
+    from gcomp.collectives import futures
+    futures.settle(timeout=5.0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
