@@ -53,6 +53,7 @@ from torch.nn.utils import prune as torch_prune
 
 import gcomp
 from gcomp.bench.allocations import measure_allocations
+from gcomp.bench import codec_hooks
 from gcomp.bench.codec_hooks import TorchHookState
 from gcomp.bench.runner import free_port
 from gcomp.bench.timing import CudaEventClock, median_times
@@ -224,7 +225,9 @@ def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, 
     finally:
         torch.set_num_threads(threads)
         if started:
+            codec_hooks.quiesce()
             dist.destroy_process_group()
+            codec_hooks.release()
 
 
 def markdown(rows: list[dict]) -> str:

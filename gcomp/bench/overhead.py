@@ -119,6 +119,7 @@ def _ranks(rank: int, world: int, port: int, config: OverheadConfig) -> list[dic
         for run in runs:
             run.do(run.profiled, config.profile_steps)
         rows = [run.row() for run in runs]
+        time.sleep(0.25)  # PyTorch's hooks' callbacks finish on gloo's threads (gcomp.bench.codec_hooks says why)
     finally:
         if started:
             dist.destroy_process_group()
