@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from gcomp.groups import check_member, check_same_ranks
 from gcomp.hook import HookState, gcomp_hook
 from gcomp.method import MethodUnit
 from gcomp.registry import method_from
@@ -35,8 +36,14 @@ def comm_hook(name_or_method: Union[str, MethodUnit], process_group: dist.Proces
     ``state.bind(model)`` before the first step) parameters are known by name: checkpoints keyed by name,
     pruning masks seen; without, by their place in the first step's buckets (``HookState`` says what each
     gives). One state serves one DDP model.
+
+    At its first bucket the state checks, on every rank, that all ranks run the same method over the same group
+    (``gcomp.agreement``); bound to a DDP model, also that ``process_group`` has the DDP model's ranks (without one
+    it cannot tell, and warns once when ``process_group`` is given).
     """
     method = method_from(name_or_method, params)
+    if dist.is_initialized():
+        check_member(process_group, "gcomp.comm_hook")
     return HookState(method, model, process_group), gcomp_hook
 
 
@@ -88,7 +95,7 @@ def install(model: torch.nn.Module | None = None, name_or_method: Union[str, Met
     if process_group is None:
         process_group = ddp_model.process_group
     else:
-        _check_same_ranks(process_group, ddp_model.process_group)
+        check_same_ranks("gcomp.install", process_group, ddp_model.process_group)
     state, hook = comm_hook(name_or_method, process_group, model=ddp_model, **params)
     try:
         ddp_model.register_comm_hook(state, hook)
@@ -97,17 +104,3 @@ def install(model: torch.nn.Module | None = None, name_or_method: Union[str, Met
                            f"mixed_precision option registers its own): {err}") from err
     ddp_model._gcomp_state = state
     return state
-
-
-def _check_same_ranks(hook_group, ddp_group) -> None:
-    """The hook must reduce over exactly the ranks DDP reduces over: over fewer or others, replicas diverge."""
-    ddp_ranks = dist.get_process_group_ranks(ddp_group)
-    if hook_group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(hook_group) < 0:
-        raise ValueError(f"gcomp.install: this rank (global rank {dist.get_rank()}) is not in process_group, "
-                         f"while the DDP model's group has {len(ddp_ranks)} ranks; pass process_group=None to "
-                         "reduce over the DDP model's own group")
-    hook_ranks = dist.get_process_group_ranks(hook_group)
-    if sorted(hook_ranks) != sorted(ddp_ranks):
-        raise ValueError(f"gcomp.install: process_group has {len(hook_ranks)} ranks {hook_ranks} but the DDP model's "
-                         f"group has {len(ddp_ranks)} {ddp_ranks}; the hook must reduce over the same ranks as DDP "
-                         "(pass process_group=None, or build DDP with process_group=...)")

@@ -15,6 +15,7 @@ from gcomp.collectives import futures
 from gcomp.collectives.allreduce import all_reduce_all
 from gcomp.core import Payload
 from gcomp.device_future import then_on
+from gcomp.groups import check_member, check_same_ranks
 from gcomp.method import MethodUnit
 from gcomp.run_state import RunState
 
@@ -73,6 +74,8 @@ class HookState(RunState):
         self._unchecked: dict | None = None  # a loaded part whose parameters are checked once all are known
         self.warmup = 1 if method.stateful else 0  # DDP's default: buckets rebuilt after the first step
         self._settle_task = -1  # the backward pass (autograd graph task) whose end settles the collectives
+        self._explicit_group = process_group is not None
+        self._ddp_group = False  # the DDP model's own group once bound to one (None: the default group)
         if model is not None:
             self.bind(model)
             if dist.is_initialized():
@@ -91,6 +94,7 @@ class HookState(RunState):
             if self.method.stateful:
                 self.warmup = self._warmup_steps(model)
             self.method.watch(model)
+            self._ddp_group = model.process_group
             model = model.module
         self.model = model
         self._names = {id(p): n for n, p in model.named_parameters()}
@@ -104,6 +108,15 @@ class HookState(RunState):
         if not dist.is_initialized():
             raise RuntimeError("gcomp: the hook state needs torch.distributed's process group, which is not "
                                "initialized yet (init_process_group first)")
+        if self._ddp_group is not False:
+            check_same_ranks("gcomp.comm_hook", self.group, self._ddp_group)
+        else:
+            check_member(self.group, "gcomp.comm_hook")
+            if self._explicit_group:
+                warnings.warn("gcomp.comm_hook: the hook reduces over the process_group it was given, which it "
+                              "cannot check against the DDP model's own group (it knows no DDP model); if they "
+                              "differ, replicas drift apart. Pass model=ddp_model (or state.bind(ddp_model)) to have "
+                              "it checked", UserWarning, stacklevel=4)
         if self.model is None and self.method.reads_model:
             warnings.warn(f"{self.method.name}: the hook state knows no model, so the method cannot see its "
                           "pruning masks and sends every bucket dense; pass model= to gcomp.comm_hook, or call "

@@ -9,11 +9,29 @@ import torch
 import torch.distributed as dist
 
 from gcomp import checkpoint
+from gcomp.agreement import agree, global_ranks
 from gcomp.collectives.counting import COUNTER_KEYS
 from gcomp.method import MethodUnit
 
 STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "encode_s", "decode_s",
              "warmup_steps", "dense_buckets", "layouts", *COUNTER_KEYS)
+
+
+FIXES = {
+    "method": "Install the same method with the same parameters on every rank (a spec read from a per-rank "
+              "config or environment variable is the usual cause)",
+    "state": "Install gcomp the same way on every rank (DDP hook, FSDP2 or HSDP replica)",
+    "process group": "Every rank must reduce over the same process group",
+    "parameters": "Every rank must bind the same model (same parameter names and shapes)",
+    "checkpoint": "Load the same checkpoint on every rank",
+    "load": "The checkpoint is refused on every rank, so none goes on from a different state",
+}
+
+
+def method_spec(method: MethodUnit) -> str:
+    """A method's canonical spec: its name and every parameter, sorted, and the class that runs it."""
+    params = ",".join(f"{k}={v!r}" for k, v in sorted(method.params.items()))
+    return f"{method.name}:{params} ({type(method).__qualname__})"
 
 
 class RunState:
@@ -41,10 +59,13 @@ class RunState:
     # --- joining the process group ----------------------------------------------------------------------------
 
     def join(self, model: torch.nn.Module | None) -> None:
-        """Know the group's size and this rank, bind the method, and run its install-time agreement: one MAX
-        all-reduce of ``method.install_flags()`` (pactrain's digest of the masks), here, since a method never
-        calls a collective."""
+        """Know the group's size and this rank, check that every rank is about to run the same thing (one
+        all-gather of ``agreement_fields``: a ``ValueError`` on every rank naming the first field that differs),
+        bind the method, and run its install-time agreement: one MAX all-reduce of ``method.install_flags()``
+        (pactrain's digest of the masks), here, since a method never calls a collective."""
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        agree(f"gcomp ({type(self).__name__} of {self.method.name})", self.agreement_fields(model), self.group,
+              FIXES)
         self.method.bind(model, self.group, self.stats)
         flags = self.method.install_flags()
         if flags is None:
@@ -53,6 +74,17 @@ class RunState:
             flags = flags.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.group)
         self.method.receive_install_flags(flags.cpu())
+
+    def agreement_fields(self, model: torch.nn.Module | None) -> dict[str, str]:
+        """What every rank of the group must hold alike before a gradient moves: the method's canonical spec
+        (every parameter, defaults included: ``auto``'s allow list, trials and probe interval among them), the
+        kind of state, the process group's ranks, and, with a model, its parameters' names and shapes (one a
+        line)."""
+        fields = {"method": method_spec(self.method), "state": type(self).__name__,
+                  "process group": " ".join(map(str, global_ranks(self.group)))}
+        if model is not None:
+            fields["parameters"] = "\n".join(f"{n} {tuple(p.shape)}" for n, p in model.named_parameters())
+        return fields
 
     def _ensure_ready(self) -> None:
         """Joined to the process group before a checkpoint is taken or loaded (the DDP hook joins lazily)."""
@@ -111,14 +143,30 @@ class RunState:
         method's state is the same on every rank; a checkpoint of another world size needs every rank's part,
         and a method that can move its state (residuals are summed, so their total is kept)."""
         self._ensure_ready()
-        state = checkpoint.upgrade(state, self.method, self.rank, self.world_size)
-        checkpoint.check_header(state, self.method)
-        part = checkpoint.own_part(state, self.method, self.rank, self.world_size)
-        checkpoint.check_stats(part["stats"])
-        self._check_parameters(part)
-        self.method.load_state_dict(part["method"])
-        self.iteration = state["iteration"]
-        self.stats.update({k: part["stats"].get(k, 0) for k in self._stat_keys})  # in place: methods hold it
+        error, header = None, "unreadable"
+        try:
+            state = checkpoint.upgrade(state, self.method, self.rank, self.world_size)
+            if isinstance(state, dict):
+                header = (f"{state.get('method')}({state.get('params')}) saved at world size "
+                          f"{state.get('world_size')}, step {state.get('iteration')}")
+            checkpoint.check_header(state, self.method)
+            part = checkpoint.own_part(state, self.method, self.rank, self.world_size)
+            checkpoint.check_stats(part["stats"])
+            self._check_parameters(part)
+            self.method.load_state_dict(part["method"])
+            self.iteration = state["iteration"]
+            self.stats.update({k: part["stats"].get(k, 0) for k in self._stat_keys})  # in place: methods hold it
+        except Exception as err:  # noqa: BLE001 -- every rank must hear of it before any raises
+            error = err
+        try:  # one all-gather: every rank loaded the same checkpoint, and every rank's load went through
+            agree("gcomp checkpoint", {"checkpoint": header, "load": "loaded" if error is None else
+                                       f"refused: {type(error).__name__}: {error}"}, self.group, FIXES)
+        except ValueError as disagreement:
+            if error is not None:
+                raise error from None
+            raise disagreement from None
+        if error is not None:
+            raise error
 
     def _check_parameters(self, part: dict) -> None:
         """The per-parameter tensors of a loaded part, against ``_numels`` (``HookState`` may defer it)."""

@@ -162,9 +162,11 @@ def _rank0_saves_for_everyone(name: str, params: dict) -> str:
 
 def test_another_ranks_state_is_refused_unless_the_state_is_the_same_everywhere():
     """Before: rank 1 silently took rank 0's residuals. Now a ValueError that says what to do; a method whose
-    state is the same on every rank (here: none at all) loads quietly."""
+    state is the same on every rank (here: none at all) loads quietly. Rank 0, whose own part it is, refuses too,
+    naming rank 1's reason: no rank goes on alone."""
     topk = run_ranks(WORLD, _rank0_saves_for_everyone, "topk", {"ratio": 0.05})
-    assert topk[0] == "loaded"
+    assert "the ranks disagree on load: rank 0 has 'loaded'; rank 1 has" in topk[0], topk[0]
+    assert "not of rank 1" in topk[0] and "refused on every rank" in topk[0]
     assert "holds the state of rank0 of a 2-rank run, not of rank 1" in topk[1], topk[1]
     assert "gather_state_dict()" in topk[1] and "torch.distributed.checkpoint" in topk[1]
     assert run_ranks(WORLD, _rank0_saves_for_everyone, "signsgd", {}) == ["loaded", "loaded"]
