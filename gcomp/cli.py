@@ -32,6 +32,8 @@ def _bench(args) -> int:
     from pathlib import Path
 
     from gcomp.bench import race, report, runner
+    from gcomp.bench.arguments import check_out
+    from gcomp.bench.failures import WorkersFailed
     if args.codec:
         return _codec(args)
     if args.overhead:
@@ -56,10 +58,15 @@ def _bench(args) -> int:
     try:
         if args.prune_ratio is not None:
             config.prune_ratio = _ratios(args.prune_ratio)
+        config.check()
+        check_out(out)
         rows, network = runner.run(config, out)
     except (ValueError, FileNotFoundError) as err:
         print(f"gcomp bench: {err}", file=sys.stderr)
         return 2
+    except WorkersFailed as err:
+        print(f"gcomp bench: {err}", file=sys.stderr)
+        return 1
     load = {"start": load_start, "end": os.getloadavg()[0]}  # 1-minute load average of this machine
     target = race.add_derived(rows, config.target_accuracy)
     summary = race.summarise(rows)
@@ -104,6 +111,7 @@ def _overhead(args) -> int:
     from pathlib import Path
 
     from gcomp.bench import overhead
+    from gcomp.bench.arguments import check_out
     from gcomp.bench.devices import check_device
     config = overhead.OverheadConfig(device=args.device or "cpu")
     for key in ("model", "steps", "batch", "seed", "lr", "warmup", "profile_steps"):
@@ -111,13 +119,15 @@ def _overhead(args) -> int:
             setattr(config, key, getattr(args, key))
     if args.method:
         config.methods = [m for item in args.method for m in item.split(";") if m]
+    out = Path(args.out or f"bench-results/overhead-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         check_device(config.device)
+        config.resolved()  # its settings checked before the output folder, as gcomp bench does
+        check_out(out)
         rows = overhead.run(config)
     except ValueError as err:
         print(f"gcomp bench --overhead: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out or f"bench-results/overhead-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps({"config": overhead.as_dict(config.resolved()), "rows": rows},
                                                   indent=1))
@@ -137,6 +147,7 @@ def _codec(args) -> int:
     from pathlib import Path
 
     from gcomp.bench import codec_table
+    from gcomp.bench.arguments import check_out
     methods = [m for item in args.method for m in item.split(";") if m] if args.method else None
     from gcomp.bench.devices import check_device
     from gcomp.bench.methods import parse_method
@@ -147,16 +158,18 @@ def _codec(args) -> int:
         except ValueError as err:
             print(f"gcomp bench --codec: {text}: {err}", file=sys.stderr)
             return 2
+    out = Path(args.out or f"bench-results/codec-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         check_device(args.device or "cpu")
         if args.backend not in (None, "nccl" if args.device == "cuda" else "gloo"):
             raise ValueError(f"--backend {args.backend}: --codec runs on one rank, on gloo for the CPU and NCCL "
                              "for --device cuda")
+        codec_table.check_sizes(args.sizes_mb)
+        check_out(out)
     except ValueError as err:
         print(f"gcomp bench --codec: {err}", file=sys.stderr)
         return 2
     rows = codec_table.run(args.sizes_mb, methods, seed=args.seed or 0, device=args.device or "cpu")
-    out = Path(args.out or f"bench-results/codec-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "codec.json").write_text(json.dumps(rows, indent=1))
     with open(out / "codec.csv", "w", newline="") as fh:
@@ -176,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["simulate"]:
         from gcomp.bench import simulate
         return simulate.main(argv[1:])
+    from gcomp.bench.arguments import COUNT, POSITIVE, POSITIVE_INT
     parser = argparse.ArgumentParser(prog="gcomp", description="Gradient compression for PyTorch DDP.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="registered methods, their collective and a one-line summary").set_defaults(run=_list)
@@ -189,18 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dataset", help="digits, text, cifar10, cifar100 or synthetic")
     b.add_argument("--model", help="mlp[:W1,W2], resnet18, vgg19, vit or charlm (--overhead: resnet50, "
                    "decoder[:WIDTH,DEPTH] or mlp[:W1,W2])")
-    b.add_argument("--workers", type=int)
+    b.add_argument("--workers", type=POSITIVE_INT)
     b.add_argument("--bandwidth", help="per-link limit: 100mbit, 500mbit, 1gbit, ... or none; a comma-separated "
                    "list sweeps them (100mbit,500mbit,1gbit); a list with RATE@STEP is a schedule within every "
                    "run (1gbit,100mbit@60: 1gbit, then 100mbit from step 60 on; steps increasing, below --steps)")
-    b.add_argument("--steps", type=int, help="training steps per method")
-    b.add_argument("--batch", type=int, help="batch size per worker")
-    b.add_argument("--lr", type=float)
+    b.add_argument("--steps", type=POSITIVE_INT, help="training steps per method")
+    b.add_argument("--batch", type=POSITIVE_INT, help="batch size per worker")
+    b.add_argument("--lr", type=POSITIVE)
     b.add_argument("--seed", type=int)
-    b.add_argument("--seeds", type=int, help="run every method this many times (seeds SEED, SEED+1, ...): medians, "
-                   "ranges and a verdict against all-reduce and the best PyTorch hook")
-    b.add_argument("--eval-every", type=int, dest="eval_every")
-    b.add_argument("--pretrain-epochs", type=int, dest="pretrain_epochs", help="0: start from random weights")
+    b.add_argument("--seeds", type=POSITIVE_INT, help="run every method this many times (seeds SEED, SEED+1, ...): "
+                   "medians, ranges and a verdict against all-reduce and the best PyTorch hook")
+    b.add_argument("--eval-every", type=POSITIVE_INT, dest="eval_every")
+    b.add_argument("--pretrain-epochs", type=COUNT, dest="pretrain_epochs", help="0: start from random weights")
     b.add_argument("--prune-ratio", dest="prune_ratio", help="pactrain/prunex's pruning ratio; a comma-separated "
                    "list sweeps them (0.1,0.3,0.5,0.7,0.8)")
     b.add_argument("--prune-method", dest="prune_method", help="how pactrain/prunex's runs prune the model first: "
@@ -217,14 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--overhead", action="store_true", help="instead: what each method adds to a real training step "
                    "beside plain DDP and PyTorch's fp16, bf16 and PowerSGD hooks (one rank per GPU: ResNet-50 or a "
                    "GPT-2-small-sized decoder, bf16; on the CPU a small MLP), with the codec's share")
-    b.add_argument("--warmup", type=int, help="--overhead: steps before timing (default 5)")
-    b.add_argument("--profile-steps", type=int, dest="profile_steps", help="--overhead: steps profiled (default 3)")
+    b.add_argument("--warmup", type=COUNT, help="--overhead: steps before timing (default 5)")
+    b.add_argument("--profile-steps", type=POSITIVE_INT, dest="profile_steps",
+                   help="--overhead: steps profiled (default 3)")
     b.add_argument("--device", choices=["cpu", "cuda"], help="where tensors live: cpu (the default) or cuda (one "
                    "GPU per worker, cuda:LOCAL_RANK; --codec: the current GPU, timed with CUDA events)")
     b.add_argument("--backend", choices=["gloo", "nccl"], help="the workers' process group: gloo (the default) or "
                    "nccl (needs --device cuda and a GPU per worker; no --bandwidth shaping)")
-    b.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64], dest="sizes_mb",
-                   help="--codec: bucket sizes in MB")
+    b.add_argument("--sizes-mb", type=POSITIVE, nargs="+", default=[1, 4, 16, 64], dest="sizes_mb",
+                   help="--codec: bucket sizes in MB (default: 1 4 16 64)")
     b.set_defaults(run=_bench)
     # listed for --help; its options are the simulate module's own, so main() hands them over unparsed
     sub.add_parser("simulate", add_help=False, help="project a bench run's results.json to 8..1024 workers and "

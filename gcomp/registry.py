@@ -102,12 +102,25 @@ def load_entry_points(force: bool = False) -> None:
 
 def _spec(name: str) -> MethodSpec:
     load_entry_points()
+    if isinstance(name, str) and ":" in name and name.partition(":")[0].strip() in _REGISTRY:
+        raise UnknownMethodError(_spec_given_as_name(name))
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY, n=3, cutoff=0.4) if isinstance(name, str) else []
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise UnknownMethodError(f"unknown gradient-compression method {name!r}{hint} "
                                  f"(registered: {', '.join(sorted(_REGISTRY))})")
     return _REGISTRY[name]
+
+
+def _spec_given_as_name(text: str) -> str:
+    """Why a spec (``"topk:ratio=0.1"``) is not a name, and the call that takes it."""
+    try:
+        name, params = parse_spec(text)
+    except ValueError as err:
+        return f"{text!r} is a method spec (name:key=value,...), not a name; and as a spec: {err}"
+    call = ", ".join([repr(name)] + [f"{k}={v!r}" for k, v in params.items()])
+    return (f"{text!r} is a method spec (name:key=value,...), not a name: gcomp.create and gcomp.install take the "
+            f"name and its parameters as keywords ({call}); gcomp.registry.from_spec reads a spec")
 
 
 def available(fsdp: bool = False) -> list[str]:
@@ -156,6 +169,8 @@ def parse_spec(text: str) -> tuple[str, dict]:
         if not eq or key not in declared:
             raise ValueError(f"{text!r}: expected key=value with a parameter of {name} "
                              f"({', '.join(declared) or 'none'}); got {item!r}")
+        if key in params:
+            raise ValueError(f"{text!r}: parameter {key!r} of {name} is given twice; give it once")
         try:
             params[key] = _typed(value, declared[key].type)
         except ValueError as err:

@@ -6,6 +6,7 @@ Rows that need a DDP model run in one rank job (tests/bad_input_jobs.py); the ot
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 import gcomp
 from gcomp.cli import main as cli
 from gcomp.pruning import StructuredADMM, prune
+from gcomp.registry import from_spec
 from tests import bad_input_jobs as jobs
 from tests.distributed import run_ranks_once
 
@@ -75,6 +77,29 @@ LOCAL = [
     ("create: error_feedback without ternary", lambda: gcomp.create("pactrain", error_feedback=True), "warns",
      ["'error_feedback'", "no effect"]),
     ("register: an empty name", lambda: gcomp.register("")(lambda: None), ValueError, ["non-empty"]),
+    ("auto: allow='fast'", lambda: gcomp.create("auto", allow="fast"), ValueError,
+     ["allow entry 'fast'", "neither a preset (exact, half) nor a registered method", "the preset 'exact'"]),
+    ("auto: allow='Exact'", lambda: gcomp.create("auto", allow="Exact"), ValueError,
+     ["allow entry 'Exact'", "preset (exact, half)", "did you mean the preset 'exact'", "case-sensitive"]),
+    ("auto: a spec with allow=fast", lambda: from_spec("auto:allow=fast"), ValueError,
+     ["allow entry 'fast'", "preset (exact, half)"]),
+    ("auto: allow='identity|' (an empty entry)", lambda: gcomp.create("auto", allow="identity|"), ValueError,
+     ["allow entry 2 of 'identity|' is empty", "identity|fp16"]),
+    ("auto: an empty entry in a list", lambda: gcomp.create("auto", allow=["identity", " "]), ValueError,
+     ["allow entry 2 of ['identity', ' '] is empty"]),
+    ("auto: a preset inside a list", lambda: gcomp.create("auto", allow="identity|half"), ValueError,
+     ["allow entry 'half' is a preset", "stands alone (allow='half')"]),
+    ("spec: a parameter twice", lambda: from_spec("topk:ratio=0.1,ratio=0.2"), ValueError,
+     ["'topk:ratio=0.1,ratio=0.2'", "parameter 'ratio' of topk is given twice"]),
+    ("spec: a parameter twice in a nested spec",
+     lambda: gcomp.create("hierarchical", inner="topk:ratio=0.1,ratio=0.2"), ValueError,
+     ["'inner'", "parameter 'ratio' of topk is given twice"]),
+    ("spec: a parameter twice in an allow entry", lambda: gcomp.create("auto", allow=["topk:ratio=0.1,ratio=0.2"]),
+     ValueError, ["allow entry 'topk:ratio=0.1,ratio=0.2'", "parameter 'ratio' of topk is given twice"]),
+    ("create: a spec for a name", lambda: gcomp.create("topk:ratio=0.1"), gcomp.UnknownMethodError,
+     ["'topk:ratio=0.1' is a method spec", "as keywords ('topk', ratio=0.1)", "from_spec"]),
+    ("create: a spec for a name, a parameter twice", lambda: gcomp.create("topk:ratio=0.1,ratio=0.2"),
+     gcomp.UnknownMethodError, ["is a method spec", "parameter 'ratio' of topk is given twice"]),
     ("prune: ratio 1", lambda: prune(_mlp(), 1.0, "magnitude"), ValueError, ["ratio", "[0, 1)"]),
     ("prune: a negative ratio", lambda: prune(_mlp(), -0.1, "magnitude"), ValueError, ["ratio"]),
     ("prune: a ratio that empties a layer", lambda: prune(_mlp(), 0.999999, "magnitude"), ValueError,
@@ -118,6 +143,44 @@ CLI = [
     ("bench: an unknown method", ["bench", "--method", "nosuch"], ["nosuch"]),
     ("bench: an unknown parameter", ["bench", "--method", "topk:ratioo=0.1"], ["ratioo", "ratio"]),
     ("bench: a prune ratio of 1", ["bench", "--prune-ratio", "1"], ["--prune-ratio", "[0, 1)"]),
+    ("bench: a parameter twice", ["bench", "--method", "topk:ratio=0.1,ratio=0.2"],
+     ["parameter 'ratio' of topk is given twice"]),
+    ("bench: auto:allow=fast", ["bench", "--method", "auto:allow=fast"],
+     ["allow entry 'fast'", "neither a preset (exact, half) nor a registered method"]),
+    ("bench: auto:allow=identity|", ["bench", "--method", "auto:allow=identity|"],
+     ["allow entry 2 of 'identity|' is empty"]),
+    ("bench --fsdp: spardl with 2 teams", ["bench", "--fsdp", "--method", "spardl:teams=2"],
+     ["--fsdp", "spardl under FSDP2 takes teams=1"]),
+    ("bench: workers that are not a number", ["bench", "--workers", "two"], ["--workers", "whole number", "got two"]),
+    ("bench: seeds 0", ["bench", "--seeds", "0"], ["--seeds", "at least 1", "got 0"]),
+    ("bench: eval every 0 steps", ["bench", "--eval-every", "0"], ["--eval-every", "at least 1", "got 0"]),
+    ("bench: -1 pre-training epochs", ["bench", "--pretrain-epochs", "-1"],
+     ["--pretrain-epochs", "at least 0", "got -1"]),
+    ("bench: lr 0", ["bench", "--lr", "0"], ["--lr", "above 0", "got 0"]),
+    ("bench: lr nan", ["bench", "--lr", "nan"], ["--lr", "above 0", "got nan"]),
+    ("bench --overhead: -1 warm-up steps", ["bench", "--overhead", "--warmup", "-1"],
+     ["--warmup", "at least 0", "got -1"]),
+    ("bench --overhead: 0 profiled steps", ["bench", "--overhead", "--profile-steps", "0"],
+     ["--profile-steps", "at least 1", "got 0"]),
+    ("bench --codec: a size of 0 MB", ["bench", "--codec", "--sizes-mb", "0"], ["--sizes-mb", "above 0", "got 0"]),
+    ("bench --codec: a negative size", ["bench", "--codec", "--sizes-mb", "1", "-4"],
+     ["--sizes-mb", "above 0", "got -4"]),
+    ("bench --codec: a size below one row", ["bench", "--codec", "--sizes-mb", "0.0001"],
+     ["--sizes-mb 0.0001", "one row of 256 fp32 entries", "1 KiB"]),
+    ("bench: --out under a file", ["bench", "--out", "{file}/sub"], ["--out", "file/sub", "is a file"]),
+    ("bench --codec: --out under a file", ["bench", "--codec", "--out", "{file}/sub"], ["--out", "is a file"]),
+    ("bench --overhead: --out under a file", ["bench", "--overhead", "--out", "{file}/sub"], ["--out", "is a file"]),
+    ("bench: --out where nothing may be created", ["bench", "--out", "/proc/x"],
+     ["--out /proc/x", "cannot write there", "in /proc"]),
+    ("simulate: 0 workers", ["simulate", "--workers", "0"], ["--workers", "at least 1", "got 0"]),
+    ("simulate: 0 ranks per node", ["simulate", "--ranks-per-node", "0"], ["--ranks-per-node", "got 0"]),
+    ("simulate: a negative latency", ["simulate", "--alpha-us", "-5"], ["--alpha-us", "at least 0", "got -5"]),
+]
+
+# (label, --out, words): gcomp simulate's own refusals (SystemExit with the message: status 1), before any work
+SIMULATE_OUT = [
+    ("simulate: --out under a file", "{file}/sub", ["--out", "file/sub", "is a file"]),
+    ("simulate: --out where nothing may be created", "/proc/x", ["--out /proc/x", "cannot write there", "in /proc"]),
 ]
 
 # (label, results file content, words): gcomp simulate stops with a message, never a traceback
@@ -179,13 +242,52 @@ def test_library_input(label, call, expected, words):
         _check_words(str(err.value), words)
 
 
+def _exit_status(argv: list[str], capsys) -> tuple[int, str]:
+    """The command's exit status and what it printed on stderr (argparse and ``gcomp simulate`` end with
+    ``SystemExit``; a message given to it is what Python prints, with status 1)."""
+    try:
+        code = cli(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    return (1, err + code) if isinstance(code, str) else (code, err)
+
+
+def _a_file(tmp) -> str:
+    (tmp / "file").write_text("a file, not a folder")
+    return str(tmp / "file")
+
+
+def _nothing_made(tmp) -> None:
+    assert {p.name for p in tmp.iterdir()} <= {"file", "results.json"}  # no output folder: nothing was started
+
+
 @pytest.mark.parametrize("label, argv, words", CLI, ids=[row[0] for row in CLI])
 def test_command_line_input(label, argv, words, tmp_path, capsys):
-    if argv[0] == "bench":
-        argv = argv + ["--out", str(tmp_path / "out"), "--bandwidth", "none"]
-    assert cli(argv) == 2
-    _check_words(capsys.readouterr().err, words)
-    assert not (tmp_path / "out" / "worker-config.json").exists()  # nothing was started
+    if "/proc/x" in argv and not os.path.isdir("/proc"):
+        pytest.skip("needs a /proc where nothing may be created")
+    argv = [a.replace("{file}", _a_file(tmp_path)) for a in argv]
+    if argv[0] in ("bench", "simulate") and "--out" not in argv:
+        argv += ["--out", str(tmp_path / "out")]
+    argv += ["--bandwidth", "none"] if argv[0] == "bench" else []
+    argv += ["--results", _results_file(tmp_path, "{}")] if argv[0] == "simulate" else []
+    code, err = _exit_status(argv, capsys)
+    assert code == 2, err
+    _check_words(err, words)
+    assert "Traceback" not in err
+    _nothing_made(tmp_path)
+
+
+@pytest.mark.parametrize("label, out, words", SIMULATE_OUT, ids=[row[0] for row in SIMULATE_OUT])
+def test_simulate_output_folder(label, out, words, tmp_path, capsys):
+    if out.startswith("/proc") and not os.path.isdir("/proc"):
+        pytest.skip("needs a /proc where nothing may be created")
+    results = _results_file(tmp_path, "not json: the folder is checked first")
+    code, err = _exit_status(["simulate", "--results", results, "--out", out.replace("{file}", _a_file(tmp_path))],
+                             capsys)
+    assert code == 1 and err.startswith("gcomp simulate: "), err
+    _check_words(err, words)
+    _nothing_made(tmp_path)
 
 
 @pytest.mark.parametrize("label, content, words", SIMULATE, ids=[row[0] for row in SIMULATE])
@@ -205,6 +307,6 @@ def test_install_and_load_input(label, expected, words):
 def test_the_table_is_complete():
     """The issue asks for at least 40 rows across create, install, prune, StructuredADMM, load_state_dict and
     the command line; every row above runs (a row missing from the rank job fails its own test)."""
-    assert len(LOCAL) + len(CLI) + len(SIMULATE) + len(IN_A_RANK) >= 40
+    assert len(LOCAL) + len(CLI) + len(SIMULATE) + len(SIMULATE_OUT) + len(IN_A_RANK) >= 40
     assert set(label for label, *_ in IN_A_RANK) == set(run_ranks_once("bad-input", 1,
                                                                           jobs.install_and_load_cases)[0])

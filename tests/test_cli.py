@@ -139,3 +139,74 @@ def test_nccl_race_defaults_to_no_shaping_and_passes_device_and_backend_on(tmp_p
     assert (seen[0].device, seen[0].backend, seen[0].bandwidth) == ("cuda", "nccl", "none")
     assert main(["bench", "--device", "cuda", "--out", str(tmp_path / "x")]) == 2  # gloo on GPUs: shaped
     assert (seen[1].device, seen[1].backend, seen[1].bandwidth) == ("cuda", "gloo", "100mbit")
+
+
+# --- gcomp bench: a worker's failure named in the parent's message ----------------------------------------------
+
+FAKE_WORKER = """
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location("failures", sys.argv[1])
+failures = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(failures)
+
+def main(argv):
+    if os.environ["RANK"] == "1":  # the peer fails after the cause, as a survivor does
+        time.sleep(0.3)
+        raise ConnectionResetError("Connection reset by peer")
+    raise ValueError("spardl: parameter 'teams' must divide the number of workers (2); got 3\\nsecond line")
+
+sys.exit(failures.recorded(main, sys.argv[2:]))
+"""
+
+
+def test_the_first_failing_worker_s_error_is_the_parent_s_message(tmp_path, capfd, monkeypatch):
+    """Workers run as ``python -m gcomp.bench.worker CONFIG``; here a stand-in that fails as a bad method does
+    on rank 0 and as its peer then does on rank 1."""
+    import subprocess as sp
+
+    from gcomp.bench import failures, runner
+    popen = sp.Popen
+
+    def fake(argv, **kwargs):
+        assert argv[1:3] == ["-m", "gcomp.bench.worker"]
+        return popen([argv[0], "-c", FAKE_WORKER, failures.__file__, *argv[3:]], **kwargs)
+
+    monkeypatch.setattr(runner.subprocess, "Popen", fake)
+    out = tmp_path / "run"
+    assert main(["bench", "--workers", "2", "--bandwidth", "none", "--pretrain-epochs", "0", "--method", "identity",
+                 "--out", str(out)]) == 1
+    err = capfd.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last == ("gcomp bench: benchmark workers failed (exit codes 1, 1); rank 0 failed first: ValueError: "
+                    "spardl: parameter 'teams' must divide the number of workers (2); got 3. Their full output is "
+                    "above"), err
+    assert "Traceback" in err and err.count("Traceback") == 2  # the workers' own, none of the parent
+
+
+def test_workers_that_die_without_an_error_are_named_by_their_signal(tmp_path):
+    from gcomp.bench import failures
+    config = tmp_path / "worker-config-0.json"
+    failures.check([0, 0], config)  # all well: nothing raised
+    failures.error_path(config, 0).write_text("stale, from an earlier launch")
+    failures.clear(config, 2)
+    with pytest.raises(failures.WorkersFailed) as err:
+        failures.check([-6, 0], config)
+    assert str(err.value) == ("benchmark workers failed (exit codes -6 (SIGABRT), 0); none raised a Python error "
+                              "(a crash or a signal). Their full output is above")
+
+
+@pytest.mark.slow
+def test_a_method_that_fails_in_the_workers_says_why_in_one_line(tmp_path, capfd):
+    """The real worker: spardl's teams must divide the workers, which only a worker's process group knows."""
+    assert main(["bench", "--workers", "1", "--steps", "1", "--bandwidth", "none", "--pretrain-epochs", "0",
+                 "--model", "mlp:8", "--method", "spardl:teams=2", "--out", str(tmp_path / "run")]) == 1
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("gcomp bench: benchmark workers failed (exit codes 1); rank 0 failed first: ValueError: "
+                           "spardl: parameter 'teams' must divide the number of workers (1); got 2"), last
+
+
+def test_bench_help_shows_the_default_sizes(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--help"])
+    assert exit_.value.code == 0
+    assert "bucket sizes in MB (default: 1 4 16 64)" in " ".join(capsys.readouterr().out.split())

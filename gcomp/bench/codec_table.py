@@ -105,6 +105,16 @@ def table_device(device: str | torch.device) -> torch.device:
     return device
 
 
+def check_sizes(sizes_mb) -> None:
+    """A ValueError for a bucket size below one row of ``ROW_WIDTH`` fp32 entries (1 KiB), which the table
+    would round up to that row."""
+    smallest = ROW_WIDTH * 4 / 2**20
+    small = [s for s in sizes_mb if not s >= smallest]
+    if small:
+        raise ValueError(f"--sizes-mb {' '.join(f'{s:g}' for s in small)}: a bucket holds one row of {ROW_WIDTH} "
+                         f"fp32 entries at least, {smallest:g} MB (1 KiB); give sizes of that or more")
+
+
 def bucket_numel(size_mb: float) -> int:
     """The entries of an fp32 bucket of about ``size_mb`` MiB, whole rows of ``ROW_WIDTH``, one row at least."""
     return max(ROW_WIDTH, int(size_mb * 2**20) // 4 // ROW_WIDTH * ROW_WIDTH)

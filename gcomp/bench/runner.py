@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from gcomp.bench import failures
 from gcomp.bench.methods import parse_method
 from gcomp.bench.rate_control import RateController
 from gcomp.bench.rate_schedule import describe_schedule, is_schedule, parse_schedule
@@ -274,6 +275,7 @@ def _launch(config: BenchConfig, config_path: Path, master: str, shaped,
             controller: RateController | None = None) -> None:
     port = free_port() if shaped is None else 29500 + os.getpid() % 1000
     procs = []
+    failures.clear(config_path, config.workers)
     try:
         for rank in range(config.workers):
             env = dict(os.environ, MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank),
@@ -290,9 +292,7 @@ def _launch(config: BenchConfig, config_path: Path, master: str, shaped,
                 controller.launched()
             else:
                 procs.append(subprocess.Popen(argv, env=env))
-        failed = [p.wait() for p in procs]
-        if any(failed):
-            raise RuntimeError(f"benchmark workers failed (exit codes {failed}); see their output above")
+        failures.check([p.wait() for p in procs], config_path)  # WorkersFailed, naming the first worker's error
     finally:
         for p in procs:
             if p.poll() is None:

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import statistics
 
+from gcomp.bench.arguments import NON_NEGATIVE, POSITIVE_INT, check_out
 from gcomp.bench.costmodel import Profile, error_by_method, model_error, project
 from gcomp.link import DEFAULT_ALPHA_S, Network, bandwidth_label
 
@@ -143,13 +144,15 @@ def _parse_args(argv):
     parser.add_argument("--results", type=Path, nargs="+", required=True,
                         help="results.json of one or more benchmark runs (runs at several worker counts and "
                              "bandwidths check the model against more measurements)")
-    parser.add_argument("--workers", type=int, nargs="+", default=list(DEFAULT_WORKERS))
-    parser.add_argument("--bandwidth", nargs="+", default=list(DEFAULT_BANDWIDTHS), help="e.g. 1gbit 10gbit")
-    parser.add_argument("--alpha-us", type=float, default=None,
+    parser.add_argument("--workers", type=POSITIVE_INT, nargs="+", default=list(DEFAULT_WORKERS),
+                        help=f"worker counts to project to (default: {' '.join(map(str, DEFAULT_WORKERS))})")
+    parser.add_argument("--bandwidth", nargs="+", default=list(DEFAULT_BANDWIDTHS),
+                        help=f"link rates to project to (default: {' '.join(DEFAULT_BANDWIDTHS)})")
+    parser.add_argument("--alpha-us", type=NON_NEGATIVE, default=None,
                         help="latency per message of the projection (default: the median the runs probed, else "
                              f"{DEFAULT_ALPHA_S * 1e6:g})")
     parser.add_argument("--baseline", default="identity")
-    parser.add_argument("--ranks-per-node", type=int, default=1, help="node size for hierarchical methods")
+    parser.add_argument("--ranks-per-node", type=POSITIVE_INT, default=1, help="node size for hierarchical methods")
     parser.add_argument("--intra-bandwidth", default=None, help="intra-node link (default: as between nodes)")
     parser.add_argument("--out", type=Path, default=None, help="default: the results file's folder")
     return parser.parse_args(argv)
@@ -159,7 +162,9 @@ def main(argv=None) -> int:
     """CLI: project the profiles of a results file, print the tables, write ``simulate.json`` and
     ``simulate.png`` (the plot is skipped, with a note, when matplotlib is not installed)."""
     args = _parse_args(argv)
+    out = args.out or args.results[0].parent
     try:
+        check_out(out)
         runs = [run for path in args.results for run in load_runs(path)]
         probed = probed_alpha_s(runs)
         alpha_s = args.alpha_us * 1e-6 if args.alpha_us is not None else probed or DEFAULT_ALPHA_S
@@ -180,7 +185,6 @@ def main(argv=None) -> int:
     print("\nModel error against the measured runs (each on its own probed link):\n")
     print(markdown(error_table(errors)))
     print("\n" + error_summary(errors))
-    out = args.out or args.results[0].parent
     out.mkdir(parents=True, exist_ok=True)
     settings = {"workers": args.workers, "bandwidth": args.bandwidth, "alpha_s": alpha_s, "alpha_source": source,
                 "baseline": args.baseline, "ranks_per_node": args.ranks_per_node,

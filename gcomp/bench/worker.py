@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gcomp
 from gcomp.bench.devices import synchronize, worker_device
+from gcomp.bench.failures import recorded
 from gcomp.bench.methods import BenchMethod, TorchHook, parse_method
 from gcomp.bench.rate_control import NoSwitch, RateSwitch, worker_switch
 from gcomp.bench.rate_schedule import segment_times
@@ -294,4 +295,4 @@ def _exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit_now(main())
+    _exit_now(recorded(main))  # an error is written for the parent's message, then raised

@@ -19,13 +19,14 @@ class AllowList:
         return f"'exact', 'half', or a list of method specs (in a string: joined by '{SEPARATOR}')"
 
     def convert(self, method: str, param: str, value: Any) -> str:
-        if isinstance(value, str) and value in PRESETS:
-            return value
+        given = value
+        if isinstance(value, str) and value.strip() in PRESETS:  # spaces dropped, as around a list's entries
+            return value.strip()
         if isinstance(value, str):
             value = value.split(SEPARATOR)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ValueError(f"{method}: parameter '{param}' must be {self}; got {value!r}")
-        specs = allowed_methods(list(value), pruned=True)  # the checks and messages of every allow entry
+        specs = allowed_methods(list(value), pruned=True, given=given)  # the checks and messages of every entry
         return SEPARATOR.join(Nested().convert(method, param, spec) for spec in specs)
 
 

@@ -40,3 +40,12 @@ def test_a_list_is_taken_as_given_and_checked():
 def test_a_bad_allow_fails_with_the_usual_messages(allow, error, match):
     with pytest.raises(error, match=match):
         allowed_methods(allow, False)
+
+
+def test_spaces_around_a_preset_are_dropped_as_around_a_list_s_entries_but_case_is_kept():
+    assert gcomp.create("auto", allow=" exact ").params["allow"] == "exact"
+    assert gcomp.create("auto", allow="half ").specs == ["identity", "pactrain", "fp16", "bf16"]
+    with pytest.raises(ValueError, match="did you mean the preset 'exact'. Names are case-sensitive"):
+        gcomp.create("auto", allow="Exact")
+    with pytest.raises(ValueError, match="one of 'exact', 'half' .*; did you mean the preset 'half'"):
+        allowed_methods("hlaf", False)

@@ -38,8 +38,9 @@ def test_a_brief_cpu_run_gives_every_method_a_row_beside_plain_ddp(tmp_path):
 def test_bad_options_are_refused_before_anything_runs(capsys):
     assert main(["bench", "--overhead", "--method", "nosuch"]) == 2
     assert "unknown gradient-compression method 'nosuch'" in capsys.readouterr().err
-    assert main(["bench", "--overhead", "--steps", "0"]) == 2
-    assert "--steps must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # refused by argparse, as every count of the command line
+        main(["bench", "--overhead", "--steps", "0"])
+    assert usage.value.code == 2 and "--steps: must be a whole number of at least 1; got 0" in capsys.readouterr().err
     assert main(["bench", "--overhead", "--model", "decoder:128"]) == 2
     assert "decoder:WIDTH,DEPTH" in capsys.readouterr().err
     assert main(["bench", "--overhead", "--model", "lenet"]) == 2

@@ -1,4 +1,5 @@
-"""A bench worker leaves without the interpreter's shutdown, its output flushed and its exit code kept."""
+"""A bench worker leaves without the interpreter's shutdown, its output flushed and its exit code kept; an error
+it raises is recorded for the parent first (``gcomp.bench.failures``)."""
 from __future__ import annotations
 
 import subprocess
@@ -15,4 +16,5 @@ def test_exit_now_flushes_and_keeps_the_code():
 
 def test_the_worker_module_ends_through_it():
     source = open(sys.modules["gcomp"].__path__[0] + "/bench/worker.py").read()
-    assert source.rstrip().endswith('if __name__ == "__main__":\n    _exit_now(main())')
+    assert source.rstrip().endswith('if __name__ == "__main__":\n    _exit_now(recorded(main))  # an error is written '
+                                    "for the parent's message, then raised")
