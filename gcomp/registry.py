@@ -164,7 +164,10 @@ def parse_spec(text: str) -> tuple[str, dict]:
     name, _, rest = text.partition(":")
     declared = _spec(name).params
     params = {}
-    for item in filter(None, rest.split(",")):
+    for item in rest.split(",") if rest else ():
+        if not item.strip():
+            raise ValueError(f"{text!r}: an empty parameter (two commas in a row, or one at an end); write "
+                             f"{name}:key=value,key=value")
         key, eq, value = item.partition("=")
         if not eq or key not in declared:
             raise ValueError(f"{text!r}: expected key=value with a parameter of {name} "

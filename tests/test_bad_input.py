@@ -91,6 +91,8 @@ LOCAL = [
      ["allow entry 'half' is a preset", "stands alone (allow='half')"]),
     ("spec: a parameter twice", lambda: from_spec("topk:ratio=0.1,ratio=0.2"), ValueError,
      ["'topk:ratio=0.1,ratio=0.2'", "parameter 'ratio' of topk is given twice"]),
+    ("spec: an empty parameter", lambda: from_spec("topk:ratio=0.1,,"), ValueError,
+     ["'topk:ratio=0.1,,'", "an empty parameter", "topk:key=value,key=value"]),
     ("spec: a parameter twice in a nested spec",
      lambda: gcomp.create("hierarchical", inner="topk:ratio=0.1,ratio=0.2"), ValueError,
      ["'inner'", "parameter 'ratio' of topk is given twice"]),
