@@ -9,7 +9,7 @@ What it shows, in order:
 - **Rendezvous per attempt.** After a restart, ``init_process_group`` on torchrun's address fails on these
   machines with gloo's "connectFullMesh: connection refused", with or without gcomp: the store still holds the
   keys of the attempt that died. Each attempt therefore builds its process group on its own key space of the
-  store, ``PrefixStore(f"attempt{TORCHELASTIC_RESTART_COUNT}", store)``.
+  store, ``PrefixStore(f"attempt{TORCHELASTIC_RESTART_COUNT}", store)``: ``gcomp.elastic.init_process_group``.
 - **Every rank's gcomp state in one file.** ``state.gather_state_dict(dst=0)`` collects each rank's own
   residuals; rank 0 writes them with the model and the optimizer (the same on every rank: DDP keeps the
   replicas identical), atomically. On start every rank loads the newest checkpoint, and ``load_state_dict``
@@ -27,7 +27,6 @@ import argparse
 import os
 import signal
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gcomp
+import gcomp.elastic
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,18 +51,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps < 1 or args.every < 1:
         p.error("--steps and --checkpoint-every take whole numbers of at least 1")
     return args
-
-
-def init_for_this_attempt() -> int:
-    """The process group on torchrun's store, under a prefix of its own for this attempt; returns the attempt."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                          is_master=not agent_store and rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    return attempt
 
 
 def model_and_batches(rank: int):
@@ -89,7 +77,7 @@ def save(path: Path, step: int, ddp, optimizer, state) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    attempt = init_for_this_attempt()
+    attempt = gcomp.elastic.init_process_group("gloo")
     rank = dist.get_rank()
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,38 @@
+"""A process group that survives torchrun's restarts (``--max-restarts``): each attempt rendezvouses on a key space
+of its own in torchrun's store.
+
+After a restart, ``init_process_group`` on torchrun's address can fail with gloo's "connectFullMesh: connection
+refused", with or without gcomp: the store still holds the keys of the attempt that died, and the new attempt's
+ranks read the dead one's addresses. ``init_process_group`` here builds the group on
+``PrefixStore(f"attempt{TORCHELASTIC_RESTART_COUNT}", store)``, so every attempt starts from empty keys.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_NEEDED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def attempt() -> int:
+    """torchrun's restart count (0 on the first attempt, and outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(seconds=60)) -> int:
+    """``torch.distributed.init_process_group`` for a script started by torchrun, on this attempt's own key space
+    of torchrun's store; returns the attempt (``TORCHELASTIC_RESTART_COUNT``). Raises ``RuntimeError`` naming
+    the variables torchrun sets if any is missing (the script was not started by torchrun)."""
+    missing = [name for name in _NEEDED if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"gcomp.elastic.init_process_group: {', '.join(missing)} not set: start the script with "
+                           "torchrun (or set them as torchrun does)")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                          is_master=not agent_store and rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt()}", store), rank=rank,
+                            world_size=world, timeout=timeout)
+    return attempt()
