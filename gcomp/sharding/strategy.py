@@ -30,9 +30,16 @@ class RowStrategy(ABC):
 
     ``variants``: parameter sets of the method that put something else on the wire under FSDP2 (``fsdp_configs``
     lists them, so the FSDP contract suite runs each).
+
+    ``reshards``: a checkpoint of the method resumes on another number of shards (``gcomp.fsdp.resize``): true
+    when it keeps nothing laid out by the shards but per-parameter state keyed ``"<parameter>[<shard>]"``
+    (``layout.pieces``: residuals), which is re-sharded by parameter. Otherwise such a resize is refused on every
+    rank, saying that the method keeps ``shard_state``.
     """
 
     variants: ClassVar[tuple[dict, ...]] = ()
+    reshards: ClassVar[bool] = False
+    shard_state: ClassVar[str] = "state laid out by the shards of its reduce-scatter input"
 
     def check(self, method) -> None:
         """Raise ValueError, at install, for a configuration of ``method`` (the ``gcomp.Method`` being installed)
