@@ -17,6 +17,7 @@ waits for keys no one writes any more, and says so at its own timeout, instead o
 from __future__ import annotations
 
 import json
+import numbers
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -25,8 +26,8 @@ _calls: dict[str, tuple[int, int]] = {}  # per (helper, group): (epoch, calls ev
 
 
 def check_entered(what: str, group, fields: dict[str, object], timeout: float) -> None:
-    """Return once every rank of ``group`` (None: the world) called ``what`` with equal ``fields`` (compared by
-    ``repr``); else raise on every rank that called it, within ``timeout`` seconds (see the module docstring)."""
+    """Return once every rank of ``group`` (None: the world) called ``what`` with equal ``fields`` (numbers by
+    value, anything else by ``repr``); else raise on every rank that called it, within ``timeout`` seconds (see the module docstring)."""
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     ranks, me = dist.get_process_group_ranks(group), dist.get_rank()
     store = _store(group)
@@ -35,7 +36,7 @@ def check_entered(what: str, group, fields: dict[str, object], timeout: float) -
     last, call = _calls.get(name, (epoch, 0))
     call = call if last == epoch else 0
     keys = [f"{name}/{epoch}/{call}/{r}" for r in ranks]
-    store.set(keys[ranks.index(me)], json.dumps({k: repr(v) for k, v in fields.items()}))
+    store.set(keys[ranks.index(me)], json.dumps({k: _said(v) for k, v in fields.items()}))
     try:
         store.wait(keys, timedelta(seconds=timeout))
     except dist.DistStoreError:
@@ -59,6 +60,15 @@ def check_entered(what: str, group, fields: dict[str, object], timeout: float) -
             told = "; ".join(f"{value} on rank(s) {', '.join(on)}" for value, on in sides.items())
             raise ValueError(f"{what}: the ranks disagree on {field!r} ({told}); pass the same {field} on every "
                              "rank of the group")
+
+
+def _said(value) -> str:
+    """How a field is compared and named: a number by its value (``200``, ``200.0`` and a NumPy ``200.0`` alike),
+    anything else by its ``repr``."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = float(value)
+        return repr(int(value)) if value.is_integer() else repr(value)
+    return repr(value)
 
 
 def _store(group) -> dist.Store:
