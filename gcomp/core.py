@@ -120,8 +120,7 @@ class Checkpointed:
         rank. Error feedback must keep its total: residuals are summed. Raise ValueError where a resize has no
         meaning for the method. What keeps no state has nothing to merge."""
         if self.keeps_state:
-            raise ValueError(f"{type(self).__name__} keeps per-rank state that is neither summed nor shared, "
-                             "which has no meaning on another number of ranks")
+            raise ValueError(f"{type(self).__name__} keeps a state per rank that can be neither summed nor shared")
         return {}
 
 
