@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from gcomp.method import Method, MethodUnit
+from gcomp.sharding.resize import reshard_parameters
 from gcomp.state_checks import check_state
 
 STATE_FORMAT = "gcomp.hook/3"
@@ -140,10 +141,18 @@ def own_part(state: dict, method: MethodUnit, rank: int, world_size: int) -> dic
         raise ValueError(f"this gcomp checkpoint holds the state of {', '.join(held)} of a {saved_world}-rank "
                          f"run, not of rank {rank}: {method.name} keeps state per rank (its residuals are what "
                          f"this rank held back), and another rank's would change the run. {HOW_TO_SAVE}")
+    shards = method.row_strategy
+    if shards is not None and shards.sizes is not None and not shards.reshards:  # FSDP2's: laid out by the shards
+        raise ValueError(refuse_resize(method, saved_world, world_size, f"under FSDP2 keeps {shards.shard_state}, "
+                                                                        "which no other number of shards can take up"))
     if len(ranks) != saved_world or set(ranks) != {rank_key(r) for r in range(saved_world)}:
         raise ValueError(f"{resized(saved_world, world_size)}: the checkpoint holds {', '.join(held)}, and resuming "
                          f"on {world_size} ranks needs every rank's state: {HOW_TO_SAVE}")
     every = [unpack(rank_key(r), ranks[rank_key(r)]) for r in range(saved_world)]
+    if shards is not None and shards.sizes is not None:  # per-parameter state onto this run's shards first
+        for r, part in enumerate(every):
+            reshard_parameters(method, part["method"], shards.sizes, saved_world, world_size,
+                               f"gcomp checkpoint ({rank_key(r)})")
     assigned = [every[r] for r in range(saved_world) if r % world_size == rank]
     try:
         merged = method.merge_states([p["method"] for p in assigned], [p["method"] for p in every], rank)

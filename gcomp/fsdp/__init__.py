@@ -7,7 +7,6 @@ and compressor, run by ``Method.reduce_scatter``. Here:
   ``fsdp_configs``), and the check at install;
 - ``comm``: the ``ReduceScatter`` put on each FSDP module; ``state``: ``FSDPState`` (a ``gcomp.run_state.RunState``);
 - ``install``: ``install_fsdp``, which ``gcomp.install`` calls for an ``FSDPModule`` (once per model);
-- ``resize``: a checkpoint of another number of shards, re-sharded by parameter or refused;
 - ``hsdp``: ``replicate``, the cross-replica all-reduce of HSDP through a gcomp method.
 """
 from gcomp.fsdp.hsdp import ReplicaState, replicate

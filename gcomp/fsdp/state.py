@@ -5,7 +5,6 @@ import torch
 import torch.distributed as dist
 
 from gcomp.collectives.reduce_scatter import KEYS as REDUCE_SCATTER_KEYS
-from gcomp.fsdp.resize import reshard
 from gcomp.method import Method
 from gcomp.run_state import RunState
 from gcomp.sharding import ShardLayout
@@ -24,23 +23,18 @@ class FSDPState(RunState):
     ``state_dict()`` is this rank's state filed under its rank (``gcomp.checkpoint``'s format, readable with
     ``torch.load(weights_only=True)``); per-parameter state (residuals) is keyed by ``"<parameter>[<shard>]"``.
     A gathered checkpoint resumes on another number of shards where the method's state is per parameter only
-    (re-sharded, ``gcomp.fsdp.resize``); elsewhere that is refused on every rank.
+    (re-sharded, ``gcomp.sharding.resize``); elsewhere that is refused on every rank.
     """
 
     def __init__(self, method: Method, model: torch.nn.Module, group: dist.ProcessGroup, layouts: list[ShardLayout]):
         super().__init__(method, group, REDUCE_SCATTER_KEYS)
         self.model = model
         self._numels = {name: n for layout in layouts for name, n in zip(layout.pieces.names, layout.pieces.numels)}
-        self._sizes = {name: size for layout in layouts for name, size in zip(layout.names, layout.sizes)}
+        method.row_strategy.bind_sizes({n: size for layout in layouts for n, size in zip(layout.names, layout.sizes)})
         self._layouts: set[str] = set()
         self.comms: list = []  # the GcompReduceScatter of each FSDP module, set by install_fsdp
         self.replica = None  # HSDP's ReplicaState, set by gcomp.fsdp.replicate
         self.join(model)
-
-    def load_state_dict(self, state: dict) -> None:
-        """``RunState.load_state_dict``, a checkpoint of another number of shards first re-sharded by parameter,
-        or refused alike on every rank where the method cannot honour it (``gcomp.fsdp.resize``)."""
-        super().load_state_dict(reshard(state, self.method, self._sizes, self.world_size))
 
     def divisor(self, op, group: dist.ProcessGroup, param_group) -> float | None:
         """What FSDP's reduce op divides the sum by: None for SUM, the group's size for AVG, FSDP's gradient divide
