@@ -26,11 +26,14 @@ from typing import Any
 import torch
 
 from gcomp.method import Method, MethodUnit
+from gcomp.sharding.resize import reshard_parameters
 from gcomp.state_checks import check_state
 
 STATE_FORMAT = "gcomp.hook/3"
 PARTS_FORMAT = "gcomp.hook/2"  # each rank's part {"stats", "memory", "compressor"}: read, upgraded
 LEGACY_FORMAT = "gcomp.hook/1"  # one rank's state, no rank recorded
+AFRESH = ("install it and skip load_state_dict for this checkpoint (the model's and optimizer's states load as "
+          "they are; gcomp's step count and statistics restart at 0)")
 HOW_TO_SAVE = ("save every rank's state in one object with hook_state.gather_state_dict() (a collective; then "
                "save it on one rank), or torch.distributed.checkpoint (dcp.save({'gcomp': hook_state})), or each "
                "rank's hook_state.state_dict() in a file of its own")
@@ -138,17 +141,37 @@ def own_part(state: dict, method: MethodUnit, rank: int, world_size: int) -> dic
         raise ValueError(f"this gcomp checkpoint holds the state of {', '.join(held)} of a {saved_world}-rank "
                          f"run, not of rank {rank}: {method.name} keeps state per rank (its residuals are what "
                          f"this rank held back), and another rank's would change the run. {HOW_TO_SAVE}")
+    shards = method.row_strategy
+    if shards is not None and shards.sizes is not None and not shards.reshards:  # FSDP2's: laid out by the shards
+        raise ValueError(refuse_resize(method, saved_world, world_size, f"under FSDP2 keeps {shards.shard_state}, "
+                                                                        "which no other number of shards can take up"))
     if len(ranks) != saved_world or set(ranks) != {rank_key(r) for r in range(saved_world)}:
-        raise ValueError(f"this gcomp checkpoint is from a {saved_world}-rank run and holds {', '.join(held)}; "
-                         f"resuming on {world_size} ranks needs every rank's state: {HOW_TO_SAVE}")
+        raise ValueError(f"{resized(saved_world, world_size)}: the checkpoint holds {', '.join(held)}, and resuming "
+                         f"on {world_size} ranks needs every rank's state: {HOW_TO_SAVE}")
     every = [unpack(rank_key(r), ranks[rank_key(r)]) for r in range(saved_world)]
+    if shards is not None and shards.sizes is not None:  # per-parameter state onto this run's shards first
+        for r, part in enumerate(every):
+            reshard_parameters(method, part["method"], shards.sizes, saved_world, world_size,
+                               f"gcomp checkpoint ({rank_key(r)})")
     assigned = [every[r] for r in range(saved_world) if r % world_size == rank]
     try:
         merged = method.merge_states([p["method"] for p in assigned], [p["method"] for p in every], rank)
     except ValueError as err:
-        raise ValueError(f"{method.name} cannot resume a {saved_world}-rank checkpoint on {world_size} ranks: "
-                         f"{err}") from err
+        raise ValueError(refuse_resize(method, saved_world, world_size, f"cannot move its state to another number "
+                                                                        f"of ranks ({err})")) from err
     return {"stats": assigned[0]["stats"] if assigned else {}, "method": merged}
+
+
+def resized(saved_world: int, world_size: int) -> str:
+    """How every refusal of a resize begins: both world sizes."""
+    return f"gcomp checkpoint saved at world size {saved_world}, this run has {world_size}"
+
+
+def refuse_resize(method: MethodUnit, saved_world: int, world_size: int, why: str) -> str:
+    """The message of a resize ``method`` cannot honour: both world sizes, ``why`` (what the method keeps, after
+    its name), and the two ways on."""
+    return (f"{resized(saved_world, world_size)}: {method.name} {why}; resume on {saved_world} ranks, or start "
+            f"{method.name}'s state afresh: {AFRESH}")
 
 
 def check_parameter_tensors(method: MethodUnit, part: dict, numels: dict[str, int]) -> None:

@@ -120,8 +120,7 @@ class Checkpointed:
         rank. Error feedback must keep its total: residuals are summed. Raise ValueError where a resize has no
         meaning for the method. What keeps no state has nothing to merge."""
         if self.keeps_state:
-            raise ValueError(f"{type(self).__name__}: its state cannot move to another number of ranks; resume "
-                             "with the world size it was saved with, or start this method's state afresh")
+            raise ValueError(f"{type(self).__name__} keeps a state per rank that can be neither summed nor shared")
         return {}
 
 

@@ -53,6 +53,33 @@ def _load(state: dict, name: str = "topk", model: nn.Module | None = None, **par
     return call
 
 
+def _two_ranks(state: dict) -> dict:
+    """A one-rank ``state`` as a gathered checkpoint of 2 ranks would be (rank 0's part twice)."""
+    return {**state, "world_size": 2, "ranks": {"rank0": state["ranks"]["rank0"], "rank1": state["ranks"]["rank0"]}}
+
+
+def _sharded(pruned: bool = False):
+    from tests.fsdp.fsdp_jobs import build
+    return build(pruned)
+
+
+def _install_twice(first: str) -> None:
+    """gcomp.install on a fully_shard-ed model's root and on one of its FSDP children, ``first`` first."""
+    model = _sharded()
+    order = [model, model[0]] if first == "root" else [model[0], model]
+    for module in order:
+        gcomp.install(module, "fp16")
+
+
+def _fsdp_resized(name: str, **params) -> None:
+    model = _sharded(pruned=True)
+    state = gcomp.install(model, name, **params)
+    from tests.fsdp.fsdp_jobs import train as train_sharded
+    train_sharded(model, 2)
+    saved = _two_ranks(state.state_dict())
+    gcomp.install(_sharded(pruned=True), name, **params).load_state_dict(saved)
+
+
 def install_and_load_cases() -> dict:
     out = {}
     model = ddp(mlp(0))
@@ -93,6 +120,11 @@ def install_and_load_cases() -> dict:
         "load: an unknown tracker mode": _load(_edit_part(pactrain, lambda p: [
             e.update(mode="frozen") for e in p["method"]["compressor"]["tracker"].values()]), "pactrain", _pruned_mlp(),
             stable_steps=1),
+        "install: a second install on an FSDP child after the root": lambda: _install_twice("root"),
+        "install: an install on the root after one on an FSDP child": lambda: _install_twice("child"),
+        "load: FSDP2 pactrain saved on 2 ranks, resumed on 1": lambda: _fsdp_resized(
+            "pactrain", ternary=True, error_feedback=True),
+        "load: signum saved on 2 ranks, resumed on 1": _load(_two_ranks(_trained_state("signum")), "signum"),
     }
     for label, call in cases.items():
         out[label] = _outcome(call)

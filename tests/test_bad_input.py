@@ -118,6 +118,8 @@ LOCAL = [
     ("prune: GraSP inputs and targets of other lengths",
      lambda: prune(_mlp(), 0.5, "grasp", data=(torch.randn(6, 4), torch.arange(7) % 3)), ValueError,
      ["differ in length", "6 vs 7"]),
+    ("prune: enter_timeout 0", lambda: prune(_mlp(), 0.5, "magnitude", enter_timeout=0), ValueError,
+     ["enter_timeout", "> 0", "got 0"]),
     ("prune: temperature 0", lambda: prune(_mlp(), 0.5, "grasp", data=_data(), temperature=0), ValueError,
      ["temperature"]),
     ("StructuredADMM: sparsity 1", lambda: StructuredADMM(_cnn(), sparsity=1.0), ValueError, ["sparsity"]),
@@ -222,6 +224,16 @@ IN_A_RANK = [
     ("load: residuals missing", "ValueError", ["(ResidualMemory) has no 'residuals'"]),
     ("load: a negative statistic", "ValueError", ["statistic 'steps'", "-2"]),
     ("load: an unknown tracker mode", "ValueError", ["'mode' must be one of", "'frozen'"]),
+    ("install: a second install on an FSDP child after the root", "RuntimeError",
+     ["already installed", "fp16", "installed on a module that contains it", "install once, on the root"]),
+    ("install: an install on the root after one on an FSDP child", "RuntimeError",
+     ["already installed", "its FSDP module '0'", "installed on its submodule '0'", "install once, on the root"]),
+    ("load: FSDP2 pactrain saved on 2 ranks, resumed on 1", "ValueError",
+     ["saved at world size 2, this run has 1", "pactrain under FSDP2 keeps its mask tracker", "resume on 2 ranks",
+      "start pactrain's state afresh", "skip load_state_dict"]),
+    ("load: signum saved on 2 ranks, resumed on 1", "ValueError",
+     ["saved at world size 2, this run has 1", "signum cannot move its state", "resume on 2 ranks",
+      "start signum's state afresh"]),
 ]
 
 

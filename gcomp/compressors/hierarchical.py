@@ -98,7 +98,7 @@ class HierarchicalMethod(Composite):
     def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
         if self.keeps_state:
             raise ValueError(f"{self.label}: its inner method's state lives on the node leaders, which another number "
-                             "of ranks regroups; resume with the world size it was saved with")
+                             "of ranks regroups")
         return {}
 
 

@@ -48,6 +48,8 @@ class PacTrainRows(RowStrategy):
     """
 
     variants = ({"ternary": True}, {"ternary": True, "rounds": 2}, {"ternary": True, "error_feedback": True})
+    shard_state = ("its mask tracker and ternary state (residuals, carried scales) per FSDP module, keyed and "
+                   "ordered by its shards")
 
     def check(self, method) -> None:
         if method.compressor.tracker.granularity != ENTRIES:

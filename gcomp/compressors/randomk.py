@@ -223,7 +223,9 @@ class RandomKRows(RowStrategy):
     (``RandomKCompressor.compress_rows``: the positions of each shard from the method's own generator, seeded
     alike on every rank and advanced world times per call, so every rank sends the same positions of a shard).
     Error feedback: the method's ``ResidualMemory`` on the rank's full unsharded input, per (parameter, shard)
-    piece."""
+    piece, re-sharded by parameter on another number of shards (its positions' stream is every rank's alike)."""
+
+    reshards = True
 
     def compress(self, compressor: RandomKCompressor, tensor, layout):
         return compressor.compress_rows(tensor, layout.pieces, layout.world)

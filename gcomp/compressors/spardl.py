@@ -160,8 +160,11 @@ class SparDLRows(RowStrategy):
     Error feedback on the rank's full unsharded input (the compressor's own memory, per (parameter, shard)
     piece): what it did not pass on of the other blocks (its own entries and the partial sums it cut) is its
     residual. The residuals of all ranks plus the shards add up to the sum of the inputs, exactly. ``teams`` must
-    be 1 (Spar-All-Gather has no place in a reduce-scatter).
+    be 1 (Spar-All-Gather has no place in a reduce-scatter). On another number of shards the residuals are
+    re-sharded by parameter; the adaptive budgets, kept per layout, adapt afresh (as after a resize under DDP).
     """
+
+    reshards = True
 
     def check(self, method) -> None:
         if method.compressor.teams != 1:

@@ -6,7 +6,7 @@ and compressor, run by ``Method.reduce_scatter``. Here:
 - ``methods``: which methods have one (``fsdp_methods``; with the parameter sets that change the wire,
   ``fsdp_configs``), and the check at install;
 - ``comm``: the ``ReduceScatter`` put on each FSDP module; ``state``: ``FSDPState`` (a ``gcomp.run_state.RunState``);
-- ``install``: ``install_fsdp``, which ``gcomp.install`` calls for an ``FSDPModule``;
+- ``install``: ``install_fsdp``, which ``gcomp.install`` calls for an ``FSDPModule`` (once per model);
 - ``hsdp``: ``replicate``, the cross-replica all-reduce of HSDP through a gcomp method.
 """
 from gcomp.fsdp.hsdp import ReplicaState, replicate

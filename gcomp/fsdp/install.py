@@ -21,6 +21,25 @@ def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     return out
 
 
+def check_not_served(model: torch.nn.Module, modules: list[FSDPModule]) -> None:
+    """A RuntimeError when an FSDP module of ``model`` already reduces through a gcomp state (an install on the
+    root, then on a child, or the other way round): two states would each count and checkpoint part of the
+    model."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for module in modules:
+        comm = getattr(module, "_gcomp_comm", None)
+        if comm is None:
+            continue
+        owner = comm.state.model
+        where = f"its FSDP module {names[id(module)]!r}" if names[id(module)] else "it"
+        on = (f"on its submodule {names[id(owner)]!r}" if id(owner) in names else "on a module that contains it")
+        raise RuntimeError(f"gcomp.install: a gcomp method ({comm.state.method.name}) is already installed on this "
+                           f"fully_shard-ed model: {where} reduces through the state installed {on}. One state "
+                           "serves one model (a second would take part of its reduce-scatters, statistics and "
+                           "checkpoint): install once, on the root fully_shard-ed module, whose state covers every "
+                           "FSDP module under it")
+
+
 def install_fsdp(model: FSDPModule, method: Method, process_group: dist.ProcessGroup | None = None) -> FSDPState:
     """Put gcomp's reduce-scatter for ``method`` on every FSDP module of ``model`` (the root ``fully_shard``-ed
     module); returns the state. Refuses methods without an FSDP2 row strategy, native HSDP, and a second install."""
@@ -31,6 +50,7 @@ def install_fsdp(model: FSDPModule, method: Method, process_group: dist.ProcessG
     modules = fsdp_modules(model)
     if not modules:
         raise ValueError("gcomp.install: this fully_shard-ed model has no FSDP module holding parameters")
+    check_not_served(model, modules)
     groups = []
     for module in modules:
         param_groups = module._get_fsdp_state()._fsdp_param_groups
@@ -61,6 +81,7 @@ def install_fsdp(model: FSDPModule, method: Method, process_group: dist.ProcessG
         comm = GcompReduceScatter(state, module, index, names)
         comm.static_layout = layouts[index]
         module.set_custom_reduce_scatter(comm)
+        module._gcomp_comm = comm
         state.comms.append(comm)
     model._gcomp_state = state
     return state

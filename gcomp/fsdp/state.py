@@ -22,12 +22,15 @@ class FSDPState(RunState):
 
     ``state_dict()`` is this rank's state filed under its rank (``gcomp.checkpoint``'s format, readable with
     ``torch.load(weights_only=True)``); per-parameter state (residuals) is keyed by ``"<parameter>[<shard>]"``.
+    A gathered checkpoint resumes on another number of shards where the method's state is per parameter only
+    (re-sharded, ``gcomp.sharding.resize``); elsewhere that is refused on every rank.
     """
 
     def __init__(self, method: Method, model: torch.nn.Module, group: dist.ProcessGroup, layouts: list[ShardLayout]):
         super().__init__(method, group, REDUCE_SCATTER_KEYS)
         self.model = model
         self._numels = {name: n for layout in layouts for name, n in zip(layout.pieces.names, layout.pieces.numels)}
+        method.row_strategy.bind_sizes({n: size for layout in layouts for n, size in zip(layout.names, layout.sizes)})
         self._layouts: set[str] = set()
         self.comms: list = []  # the GcompReduceScatter of each FSDP module, set by install_fsdp
         self.replica = None  # HSDP's ReplicaState, set by gcomp.fsdp.replicate

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils import prune as torch_prune
 
+from gcomp.pruning.entry import check_entered
 from gcomp.pruning.grasp import grasp_scores
 from gcomp.pruning.masks import check_masks_agree, comm_device, is_distributed, mask_of, masks_digest, top_mask
 
@@ -201,7 +202,7 @@ def _apply(layers, keep: torch.Tensor) -> None:
 
 def prune(model: nn.Module, ratio: float, method: str = "grasp", data=None, scope: str = "global", *,
           group=None, src: int = 0, temperature: float = 200.0, samples_per_class: int = 10,
-          include_embeddings: bool = False, seed: int = 0) -> PruneResult:
+          include_embeddings: bool = False, seed: int = 0, enter_timeout: float = 60.0) -> PruneResult:
     """Prune the ``weight`` of every Conv1d/2d/3d and Linear (and Embedding if ``include_embeddings``).
 
     ``ratio``: the fraction of those weights pruned afterwards, in [0, 1); exactly ``round(ratio * n)`` are
@@ -212,8 +213,21 @@ def prune(model: nn.Module, ratio: float, method: str = "grasp", data=None, scop
 
     If ``torch.distributed`` is initialized and ``group`` has several ranks, rank ``src`` computes the masks
     (only it needs ``data``) and broadcasts them, and all ranks check they hold the same ones. Call it on
-    every rank of ``group``, before wrapping the model in DDP.
+    every rank of ``group``, before wrapping the model in DDP: each rank first checks, through the group's store,
+    that every other rank entered ``prune`` within ``enter_timeout`` seconds (else a RuntimeError names the
+    ranks missing, instead of a wait until the group's timeout) and passed the same ``ratio``, ``method``,
+    ``scope``, ``temperature``, ``samples_per_class``, ``include_embeddings`` and ``src`` (else a ValueError
+    names the field); ``data`` and ``seed`` are read on ``src`` only and may differ.
     """
+    if isinstance(enter_timeout, bool) or not isinstance(enter_timeout, numbers.Real) \
+            or not 0 < enter_timeout < math.inf:
+        raise ValueError(f"enter_timeout must be a finite number of seconds > 0, got {enter_timeout!r}")
+    distributed = is_distributed(group)
+    if distributed:
+        check_entered("gcomp.pruning.prune", group, {
+            "ratio": ratio, "method": method, "scope": scope, "temperature": temperature,
+            "samples_per_class": samples_per_class, "include_embeddings": include_embeddings, "src": src},
+            float(enter_timeout))
     _check_args(ratio, method, scope, temperature, samples_per_class)
     layers = _prunable_layers(model, include_embeddings)
     if not layers:
@@ -221,7 +235,6 @@ def prune(model: nn.Module, ratio: float, method: str = "grasp", data=None, scop
         raise ValueError(f"the model has no prunable layer ({kinds})")
     total = sum(_orig(m).numel() for _, m in layers)
     device = _orig(layers[0][1]).device
-    distributed = is_distributed(group)
     computing = not distributed or dist.get_rank() == src
     keep, failure = None, None
     if computing:

@@ -30,9 +30,23 @@ class RowStrategy(ABC):
 
     ``variants``: parameter sets of the method that put something else on the wire under FSDP2 (``fsdp_configs``
     lists them, so the FSDP contract suite runs each).
+
+    Checkpoints: ``FSDPState`` binds the strategy to the model's parameters (``bind_sizes``), which tells
+    ``gcomp.checkpoint`` that the method's state is laid out by the shards. ``reshards``: a checkpoint of the
+    method resumes on another number of shards: true when it keeps nothing laid out by the shards but
+    per-parameter state keyed ``"<parameter>[<shard>]"`` (``layout.pieces``: residuals), which is re-sharded by
+    parameter (``gcomp.sharding.resize``). Otherwise such a resize is refused on every rank, saying that the
+    method keeps ``shard_state``.
     """
 
     variants: ClassVar[tuple[dict, ...]] = ()
+    reshards: ClassVar[bool] = False
+    shard_state: ClassVar[str] = "state laid out by the shards of its reduce-scatter input"
+    sizes: dict[str, torch.Size] | None = None  # bound under FSDP2: each sharded parameter's unsharded size
+
+    def bind_sizes(self, sizes: dict[str, torch.Size]) -> None:
+        """The unsharded size of every parameter the method's FSDP2 state covers, by name (``FSDPState``, once)."""
+        self.sizes = dict(sizes)
 
     def check(self, method) -> None:
         """Raise ValueError, at install, for a configuration of ``method`` (the ``gcomp.Method`` being installed)

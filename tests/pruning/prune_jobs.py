@@ -67,3 +67,23 @@ def disagreements() -> dict:
         "sizes": _error(lambda: prune(model, 0.5, "magnitude")),
         "src_failed": _error(lambda: prune(nn.Linear(4, 2), 0.5, "grasp")),
     }
+
+
+def one_rank_skips(skip: int, timeout: float) -> dict:
+    """Rank ``skip`` does not call prune: the others' errors and how long they took; then every rank calls it
+    (after a barrier, so the skipping rank's call is not taken for the others' first): its digest; then rank
+    ``skip`` passes another ratio: every rank's error."""
+    import time
+
+    rank = dist.get_rank()
+    out = {"skipped": None, "seconds": 0.0}
+    if rank != skip:
+        start = time.monotonic()
+        out["skipped"] = _error(lambda: prune(noisy_model(0, 0), 0.5, "magnitude", enter_timeout=timeout))
+        out["seconds"] = time.monotonic() - start
+    dist.barrier()
+    out["all"] = prune(noisy_model(0, 0), 0.5, "magnitude", enter_timeout=timeout).digest
+    ratio = 0.6 if rank == skip else 0.5
+    out["disagree"] = _error(lambda: prune(noisy_model(0, 0), ratio, "magnitude", enter_timeout=timeout))
+    out["after"] = prune(noisy_model(0, 0), 0.5, "random", enter_timeout=timeout).digest
+    return out

@@ -340,6 +340,22 @@ def test_rank_disagreements_raise_on_every_rank(world):
             assert res["src_failed"].startswith("RuntimeError") and "rank 0 failed" in res["src_failed"]
 
 
+
+@pytest.mark.parametrize("world, skip", [(2, 1), (3, 1)])
+def test_a_rank_that_never_enters_prune_is_named_within_the_entry_timeout(world, skip):
+    out = run_ranks(world, jobs.one_rank_skips, skip, 1.0)
+    for rank, res in enumerate(out):
+        if rank != skip:  # an error well before the group's own timeout, naming the rank and the fix
+            assert res["skipped"].startswith("RuntimeError"), res["skipped"]
+            for words in (f"rank(s) {skip} of the group", "did not enter prune within 1 s",
+                          "call it on every rank of the group"):
+                assert words in res["skipped"], res["skipped"]
+            assert res["seconds"] < 20
+        assert res["all"] == out[0]["all"]  # then every rank in step again: one set of masks
+        assert res["disagree"].startswith("ValueError") and "disagree on 'ratio'" in res["disagree"], res["disagree"]
+        assert f"0.6 on rank(s) {skip}" in res["disagree"] and "0.5 on rank(s) 0" in res["disagree"]
+        assert res["after"] == out[0]["after"]
+
 def test_a_name_taken_before_pruning_still_finds_the_mask_and_the_parameter():
     from gcomp.pruning.masks import parameter_of
     model = nn.Sequential(nn.Linear(3, 2))
