@@ -147,7 +147,10 @@ def own_part(state: dict, method: MethodUnit, rank: int, world_size: int) -> dic
                                                                         "which no other number of shards can take up"))
     if len(ranks) != saved_world or set(ranks) != {rank_key(r) for r in range(saved_world)}:
         raise ValueError(f"{resized(saved_world, world_size)}: the checkpoint holds {', '.join(held)}, and resuming "
-                         f"on {world_size} ranks needs every rank's state: {HOW_TO_SAVE}")
+                         f"on {world_size} ranks needs every rank's state in one object, saved with "
+                         "hook_state.gather_state_dict() (a collective; then save it on one rank). "
+                         "torch.distributed.checkpoint and a file per rank hold each rank's own part, which "
+                         "resumes on the same number of ranks only")
     every = [unpack(rank_key(r), ranks[rank_key(r)]) for r in range(saved_world)]
     if shards is not None and shards.sizes is not None:  # per-parameter state onto this run's shards first
         for r, part in enumerate(every):

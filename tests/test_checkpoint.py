@@ -226,6 +226,37 @@ def test_torch_distributed_checkpoint_keeps_every_ranks_own_state(tmp_path):
     assert ranks[0]["total"] != ranks[1]["total"]  # the ranks' residuals do differ: the check above meant it
 
 
+def _dcp_save(path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    model = ddp(mlp(0))
+    state = gcomp.install(model, METHOD, **PARAMS)
+    _train(model, _optimizer(model), 0, 3)
+    dcp.save({"gcomp": state}, checkpoint_id=path)
+
+
+def _dcp_load(path: str) -> str:
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load({"gcomp": gcomp.install(ddp(mlp(0)), METHOD, **PARAMS)}, checkpoint_id=path)
+    except BaseException as err:  # noqa: BLE001 -- the test reads it (DCP's CheckpointException is a BaseException)
+        return f"{type(err).__name__}: {err}"
+    return "loaded"
+
+
+def test_a_dcp_checkpoint_on_fewer_ranks_says_to_gather(tmp_path):
+    """DCP stores each rank's own part: on fewer ranks the lost ranks' residuals are missing, and the error says
+    which save can resume on another world size (before: "needs every rank's state" and DCP among the ways)."""
+    run_ranks(3, _dcp_save, str(tmp_path / "dcp"))
+    for message in run_ranks(2, _dcp_load, str(tmp_path / "dcp")):
+        assert "saved at world size 3, this run has 2" in message and "gather_state_dict()" in message, message
+        assert "torch.distributed.checkpoint and a file per rank hold each rank's own part" in message, message
+    # on more ranks DCP's planner refuses before gcomp is asked (what the README says it does)
+    run_ranks(2, _dcp_save, str(tmp_path / "dcp2"))
+    assert "gcomp.ranks.rank2" in run_ranks(3, _dcp_load, str(tmp_path / "dcp2"))[2]
+
+
 def _save_gathered(path: str, name: str, params: dict) -> dict:
     model = ddp(mlp(0))
     state = gcomp.install(model, name, **params)
@@ -282,7 +313,8 @@ def test_a_resize_is_refused_where_the_state_cannot_move(tmp_path):
     torch.save(one, path)
     for r in run_ranks(2, _load_resized, path, "topk", {"ratio": 0.05}):
         assert "saved at world size 3, this run has 2" in r["error"], r
-        assert "resuming on 2 ranks needs every rank's state" in r["error"], r
+        assert "resuming on 2 ranks needs every rank's state in one object" in r["error"], r
+        assert "gather_state_dict()" in r["error"], r
 
 
 RESIZE_REFUSED = {"signum", "prunex"}  # a momentum that is not additive; state on node leaders only
