@@ -16,6 +16,7 @@ from gcomp.collectives.allreduce import all_reduce_all
 from gcomp.core import Payload
 from gcomp.device_future import then_on
 from gcomp.method import MethodUnit
+from gcomp.resume_layouts import SavedLayouts, gather, scatter
 from gcomp.run_state import RunState
 
 STATE_FORMAT = checkpoint.STATE_FORMAT
@@ -73,6 +74,10 @@ class HookState(RunState):
         self._unchecked: dict | None = None  # a loaded part whose parameters are checked once all are known
         self.warmup = 1 if method.stateful else 0  # DDP's default: buckets rebuilt after the first step
         self._settle_task = -1  # the backward pass (autograd graph task) whose end settles the collectives
+        self._saved_layouts = SavedLayouts()  # the last step's bucket layouts, or a loaded checkpoint's
+        self._loaded_layouts: list = []  # a part's layouts, checked, kept until the load succeeds
+        self._first_layout = 1  # steps a DDP model takes on its first buckets (1: DDP's default)
+        self._steps_here = 0  # steps taken in this process
         if model is not None:
             self.bind(model)
             if dist.is_initialized():
@@ -88,8 +93,9 @@ class HookState(RunState):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"gcomp: bind takes a torch.nn.Module; got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):
+            self._first_layout = self._warmup_steps(model)
             if self.method.stateful:
-                self.warmup = self._warmup_steps(model)
+                self.warmup = self._first_layout
             self.method.watch(model)
             model = model.module
         self.model = model
@@ -152,6 +158,23 @@ class HookState(RunState):
             self.stats["layouts"] += 1  # counted on, so a resumed run continues the checkpoint's count
         return info
 
+    def _reduce_as_saved(self, buffer: torch.Tensor, pieces: list, last: bool) -> torch.futures.Future:
+        """The bucket cut into the saved run's layouts (``gcomp.resume_layouts``), each reduced on its own in
+        their saved order, and put back together."""
+        futures = []
+        for i, (info, where) in enumerate(pieces):
+            self._saved_layouts.record(info, last=last and i == len(pieces) - 1)
+            futures.append(self.method.reduce(gather(buffer, where), info, self.group, self.stats))
+        self.stats["buckets"] += len(pieces) - 1  # as many reductions as the saved run made
+
+        def assemble(done: torch.futures.Future) -> torch.Tensor:
+            out = torch.empty_like(buffer)
+            for (_, where), piece in zip(pieces, done.value()):
+                scatter(out, piece.value().reshape(-1), where)
+            return out
+
+        return then_on(torch.futures.collect_all(futures), assemble, buffer.device)
+
     def reduce(self, bucket) -> torch.futures.Future:
         """Average one bucket over the process group; returns a future of the mean gradient."""
         if not self._ready:
@@ -171,25 +194,45 @@ class HookState(RunState):
         stats = self.stats
         stats["buckets"] += 1
         stats["bytes_dense"] += buffer.numel() * buffer.element_size()
-        if bucket.is_last():
+        last = bucket.is_last()
+        pieces = None if warming_up else self._saved_layouts.pieces(info.names, info.numels, info.dtype,
+                                                                    self.iteration)  # before the step counts
+        if last:
             if self._unchecked is not None:  # every parameter has a name now
                 part, self._unchecked = self._unchecked, None
                 checkpoint.check_parameter_tensors(self.method, part, self._numels)
             self._stepped = True
+            self._steps_here += 1
             self.count_step()
             stats["warmup_steps"] += int(warming_up)
         if warming_up:
             stats["dense_buckets"] += 1
             stats["bytes_sent"] += buffer.numel() * buffer.element_size()
             return then_on(all_reduce_all(Payload([buffer]), self.group), lambda f: f.value()[0], buffer.device)
-
+        if pieces is not None:
+            return self._reduce_as_saved(buffer, pieces, last)
+        self._saved_layouts.record(info, last=last)
         return self.method.reduce(buffer, info, self.group, stats)
+
+    def _own_extras(self) -> dict:
+        """The bucket layouts of the last step (``gcomp.resume_layouts``), so a resumed run reduces its first
+        buckets as they were."""
+        layouts = self._saved_layouts.state()
+        return {"layouts": layouts} if layouts else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """``RunState.load_state_dict``; then, for the steps this process's DDP model takes on its first
+        buckets, those are reduced as the checkpoint's last step laid them out (``gcomp.resume_layouts``)."""
+        self._loaded_layouts = []
+        super().load_state_dict(state)
+        self._saved_layouts.load(self._loaded_layouts, self.iteration, max(0, self._first_layout - self._steps_here))
 
     def _check_parameters(self, part: dict) -> None:
         """A state without a model, loaded before its first step, knows its parameters' names only at the end of
         that step: the per-parameter tensors are checked then. (A resumed run counts on from the checkpoint's
         step, so it does not warm up again: residuals are stored per parameter and map onto the new DDP's
         buckets, whatever their layout.)"""
+        self._loaded_layouts = SavedLayouts.check(part["layouts"]) if "layouts" in part else []
         if self.model is None and not self._stepped:
             self._unchecked = part
         else:

@@ -234,8 +234,10 @@ class MaskTracker:
         """Per bucket layout: mode, stable count, the flags received last, the digest of the frozen (or
         candidate) support, and what the method carries with the support (``Carry``): the residual (error
         feedback, or a carried excess) and the exponents of the ternary scale carried to the next step (none
-        when a resync is pending: the next step takes the exact scale then). ``gcomp.packing.checkpoint``."""
-        return {key: track_entry(t) for key, t in self.tracks.items()}
+        when a resync is pending: the next step takes the exact scale then). ``gcomp.packing.checkpoint``.
+        Entries a load left for layouts not seen since are saved as they were: a checkpoint taken right after
+        ``load_state_dict`` holds everything the loaded one did."""
+        return {**self._restored, **{key: track_entry(t) for key, t in self.tracks.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict):
