@@ -1,0 +1,58 @@
+"""Bit-identical resumes (issue 28): every method that keeps state, checkpointed and resumed on a fresh model, DDP
+and hook state, takes the very steps of a run that never stopped (parameters and bytes sent), on 1, 2 and 3 of
+DDP's buckets; and a checkpoint saved right after a load holds everything the loaded one did.
+
+DDP starts a fresh model on one bucket of every parameter, in registration order, and rebuilds its buckets after
+the first step; the resumed run reduces that first bucket as the saved run's layouts (``gcomp.resume_layouts``).
+Without that, almost every method left the trajectory (random draws taken in bucket order, a top-k per bucket,
+pactrain's per-layout tracker). One rank shows it for every method; two ranks for the methods whose ranks
+exchange more than a sum (SparDL's teams, gTop-k's tree) and the per-rank residuals of ternary error feedback.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests import resume_jobs as jobs
+from tests.distributed import run_ranks, run_ranks_once
+
+CASES = list(jobs.cases())
+ON_TWO_RANKS = ["spardl", "gtopk", "pactrain:ternary,error_feedback", "hierarchical", "prunex"]
+
+
+def _results(world: int, names: list[str]) -> dict:
+    return run_ranks_once(("resume", world), world, jobs.job_resume, names, list(jobs.BUCKETS), timeout=300)
+
+
+def test_the_cases_cover_every_method_with_state():
+    """Every registered method that checkpoints something, but auto (a resumed run measures its candidates
+    again, by design: README)."""
+    assert {"dgc", "powersgd", "pactrain", "prunex", "randomk", "signum", "spardl", "topk", "terngrad"} <= set(CASES)
+    assert "auto" not in CASES and "identity" not in CASES
+
+
+@pytest.mark.parametrize("world, names", [(1, CASES), (2, ON_TWO_RANKS)], ids=["1-rank", "2-ranks"])
+def test_a_resumed_run_is_bit_identical_to_one_never_stopped(world, names):
+    failed = []
+    for rank, results in enumerate(_results(world, names)):
+        for (case, buckets, schedule), (same, sent, steps) in results.items():
+            if not same or sent[0] != sent[1] or steps[0] != steps[1]:
+                failed.append(f"rank {rank} {case} on {buckets} bucket(s), {schedule}: parameters "
+                              f"{'equal' if same else 'differ'}, bytes sent {sent[0]} vs {sent[1]}, steps {steps}")
+        assert len(results) == len(names) * len(jobs.BUCKETS) * 2
+    assert not failed, "\n".join(failed)
+
+
+def test_a_state_saved_right_after_a_load_holds_what_was_loaded():
+    """Before: pactrain's tracker saved only the tracks stepped since the load; the entries the load parked for
+    the first step (supports, carried scales, residuals) were dropped, and a run resumed from that file packed
+    one bucket of two and lost its residual."""
+    resaved = run_ranks(1, jobs.job_resave, CASES)[0]
+    assert resaved == {case: True for case in CASES}, [case for case, same in resaved.items() if not same]
+
+
+def test_the_saved_layouts_are_those_of_ddps_rebuilt_buckets():
+    """After the rebuild, DDP's buckets hold the parameters in the order their gradients become ready (the last
+    layer first), as many buckets as ``bucket_cap_mb`` makes: what the checkpoint records."""
+    one, three = run_ranks(1, jobs.job_layouts, 1)[0], run_ranks(1, jobs.job_layouts, 3)[0]
+    assert one == [["4.bias", "4.weight", "2.bias", "2.weight_orig", "0.bias", "0.weight_orig"]]
+    assert three == [["4.bias", "4.weight"], ["2.bias", "2.weight_orig"], ["0.bias", "0.weight_orig"]]
