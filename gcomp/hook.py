@@ -75,7 +75,6 @@ class HookState(RunState):
         self.warmup = 1 if method.stateful else 0  # DDP's default: buckets rebuilt after the first step
         self._settle_task = -1  # the backward pass (autograd graph task) whose end settles the collectives
         self._saved_layouts = SavedLayouts()  # the last step's bucket layouts, or a loaded checkpoint's
-        self._loaded_layouts: list = []  # a part's layouts, checked, kept until the load succeeds
         self._first_layout = 1  # steps a DDP model takes on its first buckets (1: DDP's default)
         self._steps_here = 0  # steps taken in this process
         if model is not None:
@@ -195,14 +194,14 @@ class HookState(RunState):
         stats["buckets"] += 1
         stats["bytes_dense"] += buffer.numel() * buffer.element_size()
         last = bucket.is_last()
-        pieces = None if warming_up else self._saved_layouts.pieces(info.names, info.numels, info.dtype,
-                                                                    self.iteration)  # before the step counts
+        pieces = None if warming_up else self._saved_layouts.pieces(info.names, info.numels, info.dtype)
         if last:
             if self._unchecked is not None:  # every parameter has a name now
                 part, self._unchecked = self._unchecked, None
                 checkpoint.check_parameter_tensors(self.method, part, self._numels)
             self._stepped = True
             self._steps_here += 1
+            self._saved_layouts.step_taken()
             self.count_step()
             stats["warmup_steps"] += int(warming_up)
         if warming_up:
@@ -220,19 +219,15 @@ class HookState(RunState):
         layouts = self._saved_layouts.state()
         return {"layouts": layouts} if layouts else {}
 
-    def load_state_dict(self, state: dict) -> None:
-        """``RunState.load_state_dict``; then, for the steps this process's DDP model takes on its first
-        buckets, those are reduced as the checkpoint's last step laid them out (``gcomp.resume_layouts``)."""
-        self._loaded_layouts = []
-        super().load_state_dict(state)
-        self._saved_layouts.load(self._loaded_layouts, self.iteration, max(0, self._first_layout - self._steps_here))
-
     def _check_parameters(self, part: dict) -> None:
-        """A state without a model, loaded before its first step, knows its parameters' names only at the end of
-        that step: the per-parameter tensors are checked then. (A resumed run counts on from the checkpoint's
+        """The layouts of a loaded part are taken up here (``gcomp.resume_layouts``). A state without a model,
+        loaded before its first step, knows its parameters' names only at the end of that step: the
+        per-parameter tensors are checked then. (A resumed run counts on from the checkpoint's
         step, so it does not warm up again: residuals are stored per parameter and map onto the new DDP's
         buckets, whatever their layout.)"""
-        self._loaded_layouts = SavedLayouts.check(part["layouts"]) if "layouts" in part else []
+        layouts = SavedLayouts.check(part["layouts"]) if "layouts" in part else []
+        # for the steps this process's DDP model takes on its first buckets (none once it took them)
+        self._saved_layouts.load(layouts, max(0, self._first_layout - self._steps_here))
         if self.model is None and not self._stepped:
             self._unchecked = part
         else:

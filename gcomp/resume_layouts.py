@@ -33,7 +33,7 @@ class SavedLayouts:
         self._step: list[BucketInfo] = []  # this step's layouts so far
         self._last: list[BucketInfo] = []  # the last whole step's
         self._loaded: list[tuple[int, tuple[str, ...]]] = []  # (bucket index, names) of a loaded checkpoint
-        self._until = 0  # the loaded layouts apply while the step count is below this
+        self._left = 0  # steps the loaded layouts still apply to
 
     def record(self, info: BucketInfo, last: bool) -> None:
         """A bucket reduced with layout ``info``; ``last``: the step's last bucket."""
@@ -69,17 +69,20 @@ class SavedLayouts:
             out.append((entry["index"], tuple(entry["names"])))
         return out
 
-    def load(self, layouts: list[tuple[int, tuple[str, ...]]], iteration: int, steps: int) -> None:
-        """Apply ``layouts`` (``check``'s) to the resumed run's first ``steps`` steps from ``iteration`` on."""
-        self._loaded, self._until = layouts, iteration + steps
+    def load(self, layouts: list[tuple[int, tuple[str, ...]]], steps: int) -> None:
+        """Apply ``layouts`` (``check``'s) to the next ``steps`` steps (those DDP takes on its first buckets)."""
+        self._loaded, self._left = layouts, steps
         self._step, self._last = [], []
 
-    def pieces(self, names: tuple[str, ...], numels: tuple[int, ...], dtype: torch.dtype, iteration: int
-               ) -> list[Piece] | None:
+    def step_taken(self) -> None:
+        """A step ended (its last bucket was handed to the method, or to the warm-up's all-reduce)."""
+        self._left = max(0, self._left - 1)
+
+    def pieces(self, names: tuple[str, ...], numels: tuple[int, ...], dtype: torch.dtype) -> list[Piece] | None:
         """How a live bucket (its parameters' ``names`` and ``numels``, in its order) is reduced as saved
         layouts: None when it is reduced as it is (no loaded layouts apply, it is one of them, or it does not
         hold exactly the parameters of some of them)."""
-        if iteration >= self._until or not self._loaded:
+        if not self._left or not self._loaded:
             return None
         live = {name: (offset, numel) for name, offset, numel in _segments(names, numels)}
         chosen = [(index, saved) for index, saved in self._loaded if live.keys() & set(saved)]
