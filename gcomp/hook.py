@@ -128,6 +128,18 @@ class HookState(RunState):
             self._names[id(p)] = name
             self._numels[name] = p.numel()
 
+    def _check_known(self, bucket) -> None:
+        """Every parameter of the bucket is one of the bound model's: a state bound to one model and registered
+        on another would key its state by nothing that model has."""
+        unknown = sum(id(p) not in self._names for p in bucket.parameters())
+        if unknown:
+            raise ValueError(f"gcomp: bucket {bucket.index()} holds {unknown} parameter(s) that the model this hook "
+                             f"state is bound to ({type(self.model).__name__}, {len(self._names)} parameters) does "
+                             "not have: the state was bound to another model than the DDP model it is registered "
+                             "on. One state serves one DDP model: bind it to that model (gcomp.comm_hook(..., "
+                             "model=ddp_model), or state.bind(ddp_model) before the first step), or make a state "
+                             "per model")
+
     @staticmethod
     def _warmup_steps(ddp: DistributedDataParallel) -> int:
         if getattr(ddp, "find_unused_parameters", False):
@@ -151,7 +163,9 @@ class HookState(RunState):
         if info is None:
             if self.model is None:
                 self._name_by_place(bucket)  # after the first step: refuses parameters it never saw
-            names = [self._names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
+            else:
+                self._check_known(bucket)
+            names = [self._names[id(p)] for p in params]
             info = BucketInfo.from_layout(bucket.index(), buffer.dtype, names, [p.numel() for p in params])
             self._layouts[signature] = info
             self.stats["layouts"] += 1  # counted on, so a resumed run continues the checkpoint's count
@@ -187,6 +201,8 @@ class HookState(RunState):
             torch.autograd.Variable._execution_engine.queue_callback(futures.settle)
             self._settle_task = task
         warming_up = self.iteration < self.warmup
+        if warming_up and self.model is not None:
+            self._check_known(bucket)
         info = None if warming_up else self.bucket_info(bucket)  # may refuse the bucket: before anything changes
         buffer = bucket.buffer()
         buffer.mul_(1.0 / self.world_size)  # the same scaling DDP's own reducer applies
