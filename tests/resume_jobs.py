@@ -13,8 +13,13 @@ from torch.nn.utils import prune
 import gcomp
 from tests import models
 
-STEPS, SAVE_AT = 4, 2  # step 0 is DDP's warm-up, 1 compresses, the checkpoint after it, 2 and 3 resumed
+AFTER = 2  # steps resumed after the checkpoint
 BUCKETS = {1: {}, 2: {"bucket_cap_mb": 0.002}, 3: {"bucket_cap_mb": 0.001}}  # buckets after DDP's rebuild
+# name: (DDP options, the checkpoint after this many steps). DDP's first step (its first two with static_graph) is
+# on one bucket of every parameter and the hook's warm-up; the checkpoint comes after the first compressed step
+CONFIGS = {**{f"{n} bucket{'s' if n > 1 else ''}": (kwargs, 2) for n, kwargs in BUCKETS.items()},
+           "3 buckets, static_graph": ({**BUCKETS[3], "static_graph": True}, 3),
+           "3 buckets, find_unused_parameters": ({**BUCKETS[3], "find_unused_parameters": True}, 2)}
 # the methods' parameters where their defaults would send (almost) nothing on this small model, or run nothing
 # of their own on one node
 PARAMS = {"dgc": {"ratio": 0.05}, "gtopk": {"density": 0.05}, "spardl": {"density": 0.05}, "randomk": {"ratio": 0.05},
@@ -71,32 +76,32 @@ def _run(name: str, params: dict, ddp_kwargs: dict, schedule: list[int]):
     return models.flat_params(model.module), dict(state.stats)
 
 
-def job_resume(names: list[str], buckets: list[int]) -> dict:
-    """``{(case, buckets, schedule): (parameters equal, (bytes_sent straight, resumed), (steps straight,
-    resumed))}``: each case of ``cases()`` in ``names`` straight through ``STEPS`` steps, and checkpointed
-    after ``SAVE_AT`` ("resumed"), or checkpointed there, loaded and at once checkpointed again ("resaved")."""
+def job_resume(names: list[str], configs: dict[str, tuple[dict, int]]) -> dict:
+    """``{(case, config, schedule): (parameters equal, (bytes_sent straight, resumed), (steps straight,
+    resumed))}``: each case of ``cases()`` in ``names`` on each of ``configs`` (``CONFIGS``' form) straight
+    through, and checkpointed after its step ("resumed"), or checkpointed there, loaded and at once checkpointed
+    again ("resaved"), ``AFTER`` steps more."""
     out = {}
     every = cases()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one node, pruned buckets sent dense: said at install, not the point here
         for case in names:
             name, params = every[case]
-            for n in buckets:
-                kwargs = BUCKETS[n]
-                straight, stats = _run(name, params, kwargs, [STEPS])
-                for label, schedule in (("resumed", [SAVE_AT, STEPS - SAVE_AT]),
-                                        ("resaved", [SAVE_AT, 0, STEPS - SAVE_AT])):
+            for config, (kwargs, at) in configs.items():
+                straight, stats = _run(name, params, kwargs, [at + AFTER])
+                for label, schedule in (("resumed", [at, AFTER]), ("resaved", [at, 0, AFTER])):
                     resumed, again = _run(name, params, kwargs, schedule)
-                    out[(case, n, label)] = (torch.equal(straight, resumed), (stats["bytes_sent"], again["bytes_sent"]),
-                                             (stats["steps"], again["steps"]))
+                    out[(case, config, label)] = (torch.equal(straight, resumed),
+                                                  (stats["bytes_sent"], again["bytes_sent"]),
+                                                  (stats["steps"], again["steps"]))
     return out
 
 
 def job_layouts(buckets: int) -> list[list[str]]:
-    """The layouts a hook state saves after ``SAVE_AT`` steps on ``buckets`` buckets: the names of each."""
+    """The layouts a hook state saves after 2 steps on ``buckets`` buckets: the names of each."""
     model = models.ddp(pruned_mlp(0), **BUCKETS[buckets])
     state = gcomp.install(model, "topk", ratio=0.05)
-    models.train(model, SAVE_AT)
+    models.train(model, 2)
     part = torch.load(io.BytesIO(state.state_dict()["ranks"][f"rank{dist.get_rank()}"]), weights_only=True)
     return [entry["names"] for entry in part["layouts"]]
 
@@ -114,7 +119,7 @@ def _same(a, b) -> bool:
 
 def job_resave(names: list[str]) -> dict:
     """``{case: True when a state loaded and at once saved again holds exactly what was loaded}`` (this rank's
-    part: statistics, the method's state, the layouts), after ``SAVE_AT`` steps on 3 buckets."""
+    part: statistics, the method's state, the layouts), after 2 steps on 3 buckets."""
     out, every = {}, cases()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -122,7 +127,7 @@ def job_resave(names: list[str]) -> dict:
             name, params = every[case]
             model = models.ddp(pruned_mlp(0), **BUCKETS[3])
             state = gcomp.install(model, name, **params)
-            models.train(model, SAVE_AT)
+            models.train(model, 2)
             saved = _round_trip(state.state_dict())
             fresh = gcomp.install(models.ddp(pruned_mlp(0), **BUCKETS[3]), name, **params)
             fresh.load_state_dict(saved)
