@@ -183,7 +183,7 @@ class HookState(RunState):
         def assemble(done: torch.futures.Future) -> torch.Tensor:
             out = torch.empty_like(buffer)
             for (_, where), piece in zip(pieces, done.value()):
-                scatter(out, piece.value().reshape(-1), where)
+                scatter(out, piece.wait().reshape(-1), where)  # wait: on CUDA, after the piece's decode
             return out
 
         return then_on(torch.futures.collect_all(futures), assemble, buffer.device)
