@@ -210,7 +210,7 @@ class HookState(RunState):
         stats["buckets"] += 1
         stats["bytes_dense"] += buffer.numel() * buffer.element_size()
         last = bucket.is_last()
-        pieces = None if warming_up else self._saved_layouts.pieces(info.names, info.numels, info.dtype)
+        pieces = None if warming_up else self._saved_layouts.pieces(info)
         if last:
             if self._unchecked is not None:  # every parameter has a name now
                 part, self._unchecked = self._unchecked, None

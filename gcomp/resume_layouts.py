@@ -78,28 +78,20 @@ class SavedLayouts:
         """A step ended (its last bucket was handed to the method, or to the warm-up's all-reduce)."""
         self._left = max(0, self._left - 1)
 
-    def pieces(self, names: tuple[str, ...], numels: tuple[int, ...], dtype: torch.dtype) -> list[Piece] | None:
-        """How a live bucket (its parameters' ``names`` and ``numels``, in its order) is reduced as saved
-        layouts: None when it is reduced as it is (no loaded layouts apply, it is one of them, or it does not
-        hold exactly the parameters of some of them)."""
+    def pieces(self, bucket: BucketInfo) -> list[Piece] | None:
+        """How a live bucket is reduced as saved layouts: None when it is reduced as it is (no loaded layouts
+        apply, it is one of them, or it does not hold exactly the parameters of some of them)."""
         if not self._left or not self._loaded:
             return None
-        live = {name: (offset, numel) for name, offset, numel in _segments(names, numels)}
+        live = {name: (offset, numel) for name, offset, numel in bucket.segments()}
         chosen = [(index, saved) for index, saved in self._loaded if live.keys() & set(saved)]
         if any(not live.keys() >= set(saved) for _, saved in chosen) or \
                 sum(len(saved) for _, saved in chosen) != len(live):
             return None  # not a union of saved layouts: DDP grouped it otherwise
-        if len(chosen) == 1 and chosen[0][1] == names:
+        if chosen == [(bucket.index, bucket.names)]:
             return None  # the saved layout itself
-        return [(BucketInfo.from_layout(index, dtype, saved, [live[n][1] for n in saved]), [live[n] for n in saved])
-                for index, saved in sorted(chosen)]
-
-
-def _segments(names, numels):
-    offset = 0
-    for name, numel in zip(names, numels):
-        yield name, offset, numel
-        offset += numel
+        return [(BucketInfo.from_layout(index, bucket.dtype, saved, [live[n][1] for n in saved]),
+                 [live[n] for n in saved]) for index, saved in sorted(chosen)]
 
 
 def gather(buffer: torch.Tensor, where: list[tuple[int, int]]) -> torch.Tensor:

@@ -11,7 +11,10 @@ exchange more than a sum (SparDL's teams, gTop-k's tree) and the per-rank residu
 from __future__ import annotations
 
 import pytest
+import torch
 
+from gcomp.bucket import BucketInfo
+from gcomp.resume_layouts import SavedLayouts
 from tests import resume_jobs as jobs
 from tests.distributed import run_ranks, run_ranks_once
 
@@ -70,3 +73,32 @@ def test_a_checkpoint_taken_before_ddps_rebuild_resumes_on_its_first_buckets():
     results = run_ranks(1, jobs.job_resume, ["randomk", "topk"], early)[0]
     assert not results[("randomk", "3 buckets, saved after the warm-up", "resumed")][0]
     assert results[("topk", "1 bucket, saved after the warm-up", "resumed")][0]
+
+
+def _bucket(index: int, names: list[str]) -> BucketInfo:
+    return BucketInfo.from_layout(index, torch.float32, names, [len(n) for n in names])
+
+
+def test_a_fresh_ddps_bucket_is_cut_into_the_saved_layouts_for_its_first_steps_only():
+    """``SavedLayouts.pieces``: a bucket holding exactly the parameters of some saved layouts is cut into them, in
+    their saved order of buckets, each parameter found where it lies; one that is a saved layout, or that DDP
+    grouped otherwise, goes as it is; and only for the steps given at load."""
+    saved = SavedLayouts()
+    saved.load(SavedLayouts.check([{"index": 0, "names": ["c", "bb"]}, {"index": 1, "names": ["aaa"]}]), steps=1)
+    first = _bucket(0, ["aaa", "bb", "c"])  # registration order, one bucket: entries aaa 0-3, bb 3-5, c 5-6
+    pieces = saved.pieces(first)
+    assert [(info.index, info.names, where) for info, where in pieces] == [(0, ("c", "bb"), [(5, 1), (3, 2)]),
+                                                                           (1, ("aaa",), [(0, 3)])]
+    assert pieces[0][0].key == _bucket(0, ["c", "bb"]).key  # the saved run's state is found by its key
+    assert saved.pieces(_bucket(0, ["c", "bb"])) is None  # the saved layout itself
+    assert saved.pieces(_bucket(0, ["aaa", "c"])) is None  # grouped otherwise: as it is
+    saved.step_taken()
+    assert saved.pieces(first) is None  # DDP has rebuilt its buckets by now
+    assert saved.state() == [{"index": 0, "names": ["c", "bb"]}, {"index": 1, "names": ["aaa"]}]  # saved again
+
+
+def test_saved_layouts_are_checked_at_load():
+    for bad, words in [("x", "must be a list"), ([{"index": -1, "names": []}], "at least 0"),
+                       ([{"index": 0, "names": ["a"]}, {"index": 1, "names": ["a"]}], "'a' is in two buckets")]:
+        with pytest.raises(ValueError, match=words):
+            SavedLayouts.check(bad)
