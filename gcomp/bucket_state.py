@@ -66,7 +66,10 @@ class BucketState:
                 if piece is not None:
                     if piece.numel() != numel:
                         raise ValueError(f"{self.owner}: the {slot} of parameter '{name}' hold {piece.numel()} "
-                                         f"elements, the bucket holds {numel}")
+                                         f"elements, the bucket holds {numel} of it: this state (or the checkpoint "
+                                         "it loaded) was made for another model. One state serves one DDP model "
+                                         "and resumes on the model it was saved from; make a fresh state for this "
+                                         "one (gcomp.install, or gcomp.comm_hook(..., model=ddp_model))")
                     flat[offset:offset + numel].copy_(piece.reshape(-1))
             tensors[slot] = flat
         self.put(bucket, tensors)

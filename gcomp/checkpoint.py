@@ -55,7 +55,7 @@ def unpack(key: str, blob: bytes) -> dict:
     except Exception as err:  # noqa: BLE001 -- any unreadable part is the same user error
         raise ValueError(f"gcomp checkpoint: the state of {key} cannot be read ({type(err).__name__}: {err}); "
                          "the file is truncated or not a gcomp hook state") from err
-    check_state(f"gcomp checkpoint ({key})", part, {"stats": dict, "method": dict})
+    check_state(f"gcomp checkpoint ({key})", part, {"stats": dict, "method": dict}, {"layouts": list})
     return part
 
 

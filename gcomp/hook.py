@@ -17,6 +17,7 @@ from gcomp.core import Payload
 from gcomp.device_future import then_on
 from gcomp.groups import check_member, check_same_ranks
 from gcomp.method import MethodUnit
+from gcomp.resume_layouts import SavedLayouts, gather, scatter
 from gcomp.run_state import RunState
 
 STATE_FORMAT = checkpoint.STATE_FORMAT
@@ -76,6 +77,9 @@ class HookState(RunState):
         self._settle_task = -1  # the backward pass (autograd graph task) whose end settles the collectives
         self._explicit_group = process_group is not None
         self._ddp_group = False  # the DDP model's own group once bound to one (None: the default group)
+        self._saved_layouts = SavedLayouts()  # the last step's bucket layouts, or a loaded checkpoint's
+        self._first_layout = 1  # steps a DDP model takes on its first buckets (1: DDP's default)
+        self._steps_here = 0  # steps taken in this process
         if model is not None:
             self.bind(model)
             if dist.is_initialized():
@@ -91,8 +95,9 @@ class HookState(RunState):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"gcomp: bind takes a torch.nn.Module; got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):
+            self._first_layout = self._warmup_steps(model)
             if self.method.stateful:
-                self.warmup = self._warmup_steps(model)
+                self.warmup = self._first_layout
             self.method.watch(model)
             self._ddp_group = model.process_group
             model = model.module
@@ -136,6 +141,18 @@ class HookState(RunState):
             self._names[id(p)] = name
             self._numels[name] = p.numel()
 
+    def _check_known(self, bucket) -> None:
+        """Every parameter of the bucket is one of the bound model's: a state bound to one model and registered
+        on another would key its state by nothing that model has."""
+        unknown = sum(id(p) not in self._names for p in bucket.parameters())
+        if unknown:
+            raise ValueError(f"gcomp: bucket {bucket.index()} holds {unknown} parameter(s) that the model this hook "
+                             f"state is bound to ({type(self.model).__name__}, {len(self._names)} parameters) does "
+                             "not have: the state was bound to another model than the DDP model it is registered "
+                             "on. One state serves one DDP model: bind it to that model (gcomp.comm_hook(..., "
+                             "model=ddp_model), or state.bind(ddp_model) before the first step), or make a state "
+                             "per model")
+
     @staticmethod
     def _warmup_steps(ddp: DistributedDataParallel) -> int:
         if getattr(ddp, "find_unused_parameters", False):
@@ -159,11 +176,30 @@ class HookState(RunState):
         if info is None:
             if self.model is None:
                 self._name_by_place(bucket)  # after the first step: refuses parameters it never saw
-            names = [self._names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
+            else:
+                self._check_known(bucket)
+            names = [self._names[id(p)] for p in params]
             info = BucketInfo.from_layout(bucket.index(), buffer.dtype, names, [p.numel() for p in params])
             self._layouts[signature] = info
             self.stats["layouts"] += 1  # counted on, so a resumed run continues the checkpoint's count
         return info
+
+    def _reduce_as_saved(self, buffer: torch.Tensor, pieces: list, last: bool) -> torch.futures.Future:
+        """The bucket cut into the saved run's layouts (``gcomp.resume_layouts``), each reduced on its own in
+        their saved order, and put back together."""
+        futures = []
+        for i, (info, where) in enumerate(pieces):
+            self._saved_layouts.record(info, last=last and i == len(pieces) - 1)
+            futures.append(self.method.reduce(gather(buffer, where), info, self.group, self.stats))
+        self.stats["buckets"] += len(pieces) - 1  # as many reductions as the saved run made
+
+        def assemble(done: torch.futures.Future) -> torch.Tensor:
+            out = torch.empty_like(buffer)
+            for (_, where), piece in zip(pieces, done.value()):
+                scatter(out, piece.wait().reshape(-1), where)  # wait: on CUDA, after the piece's decode
+            return out
+
+        return then_on(torch.futures.collect_all(futures), assemble, buffer.device)
 
     def reduce(self, bucket) -> torch.futures.Future:
         """Average one bucket over the process group; returns a future of the mean gradient."""
@@ -178,31 +214,49 @@ class HookState(RunState):
             torch.autograd.Variable._execution_engine.queue_callback(futures.settle)
             self._settle_task = task
         warming_up = self.iteration < self.warmup
+        if warming_up and self.model is not None:
+            self._check_known(bucket)
         info = None if warming_up else self.bucket_info(bucket)  # may refuse the bucket: before anything changes
         buffer = bucket.buffer()
         buffer.mul_(1.0 / self.world_size)  # the same scaling DDP's own reducer applies
         stats = self.stats
         stats["buckets"] += 1
         stats["bytes_dense"] += buffer.numel() * buffer.element_size()
-        if bucket.is_last():
+        last = bucket.is_last()
+        pieces = None if warming_up else self._saved_layouts.pieces(info)
+        if last:
             if self._unchecked is not None:  # every parameter has a name now
                 part, self._unchecked = self._unchecked, None
                 checkpoint.check_parameter_tensors(self.method, part, self._numels)
             self._stepped = True
+            self._steps_here += 1
+            self._saved_layouts.step_taken()
             self.count_step()
             stats["warmup_steps"] += int(warming_up)
         if warming_up:
             stats["dense_buckets"] += 1
             stats["bytes_sent"] += buffer.numel() * buffer.element_size()
             return then_on(all_reduce_all(Payload([buffer]), self.group), lambda f: f.value()[0], buffer.device)
-
+        if pieces is not None:
+            return self._reduce_as_saved(buffer, pieces, last)
+        self._saved_layouts.record(info, last=last)
         return self.method.reduce(buffer, info, self.group, stats)
 
+    def _own_extras(self) -> dict:
+        """The bucket layouts of the last step (``gcomp.resume_layouts``), so a resumed run reduces its first
+        buckets as they were."""
+        layouts = self._saved_layouts.state()
+        return {"layouts": layouts} if layouts else {}
+
     def _check_parameters(self, part: dict) -> None:
-        """A state without a model, loaded before its first step, knows its parameters' names only at the end of
-        that step: the per-parameter tensors are checked then. (A resumed run counts on from the checkpoint's
+        """The layouts of a loaded part are taken up here (``gcomp.resume_layouts``). A state without a model,
+        loaded before its first step, knows its parameters' names only at the end of that step: the
+        per-parameter tensors are checked then. (A resumed run counts on from the checkpoint's
         step, so it does not warm up again: residuals are stored per parameter and map onto the new DDP's
         buckets, whatever their layout.)"""
+        layouts = SavedLayouts.check(part["layouts"]) if "layouts" in part else []
+        # for the steps this process's DDP model takes on its first buckets (none once it took them)
+        self._saved_layouts.load(layouts, max(0, self._first_layout - self._steps_here))
         if self.model is None and not self._stepped:
             self._unchecked = part
         else:

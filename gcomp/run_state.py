@@ -114,7 +114,7 @@ class RunState:
         """This rank's state, filed under its rank (``gcomp.checkpoint``): tensors, bytes and plain values only,
         so ``torch.load(path, weights_only=True)`` reads it back. ``gather_state_dict`` holds every rank's."""
         self._ensure_ready()
-        part = {"stats": dict(self.stats), "method": self.method.state_dict()}
+        part = {"stats": dict(self.stats), "method": self.method.state_dict(), **self._own_extras()}
         return {"format": checkpoint.STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
                 "world_size": self.world_size, "iteration": self.iteration,
                 "ranks": {checkpoint.rank_key(self.rank): checkpoint.pack(part)}}
@@ -167,6 +167,10 @@ class RunState:
             raise disagreement from None
         if error is not None:
             raise error
+
+    def _own_extras(self) -> dict:
+        """What a subclass adds to this rank's part of a checkpoint (the DDP hook: its bucket layouts)."""
+        return {}
 
     def _check_parameters(self, part: dict) -> None:
         """The per-parameter tensors of a loaded part, against ``_numels`` (``HookState`` may defer it)."""

@@ -51,3 +51,33 @@ def sum_by_name(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Te
         for name, t in state.items():
             total[name] = t.clone() if name not in total else total[name] + t
     return total
+
+
+def generator_state(owner: str, device: str, state: Any) -> torch.Tensor:
+    """``state`` checked to be what ``torch.Generator(device).set_state`` takes (a uint8 tensor of the size a
+    generator there holds), at load: a ValueError naming ``owner``, the device and both sizes, never torch's
+    RuntimeError at the first step that draws. A device this process lacks (a CUDA state resumed on a CPU) is
+    checked for its type only: it stays as it is until a generator there is used."""
+    where = f"{owner}: the random generator state for device {device!r}"
+    try:
+        place = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{where}: {device!r} is not a device (the states are keyed 'cpu', 'cuda:0', ...)") from None
+    try:
+        probe = torch.Generator(place)
+    except RuntimeError:  # a device this process lacks
+        probe = None
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+        kind = f"a {state.dtype} tensor of shape {tuple(state.shape)}" if isinstance(state, torch.Tensor) \
+            else type(state).__name__
+        raise ValueError(f"{where} must be a 1-D torch.uint8 tensor (Generator.get_state()), got {kind}")
+    if probe is None:
+        return state
+    expected = probe.get_state().numel()
+    try:
+        probe.set_state(state)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"{where} holds {state.numel()} bytes, a {place.type} generator's holds "
+                         f"{expected} (a checkpoint of another torch version, or not this method's state?): "
+                         f"{err}") from None
+    return state

@@ -18,6 +18,7 @@ from gcomp.compressors.device_random import DeviceStream
 from gcomp.compressors.quantise import stream_seed
 from gcomp.compressors.sparse import SparseCompressor
 from gcomp.core import check_state, sum_by_name
+from gcomp.state_checks import generator_state
 from gcomp.kernels import on_device, segments
 from gcomp.memory import NoMemory
 from gcomp.method import Method
@@ -168,6 +169,7 @@ class DGCCompressor(SparseCompressor):
                     {"device_stream": dict})
         if state["steps"] < 0:
             raise ValueError(f"DGCCompressor: 'steps' must be at least 0, got {state['steps']}")
+        generator_state("dgc", "cpu", state["generator"])  # checked before anything is loaded
         if "device_stream" in state:
             self.device_stream.load_state_dict(state["device_stream"])
         else:  # a checkpoint of the CPU path, or after a resize: a fresh stream of this rank's

@@ -27,6 +27,7 @@ from gcomp.compressors import powersgd_batched as batched
 from gcomp.compressors.powersgd_plan import _Ctx, _Matrix, _Plan, orthogonalise  # noqa: F401
 from gcomp.compressors.quantise import stream_seed
 from gcomp.core import ALLREDUCE, Payload, check_state, sum_by_name, tensor_dict
+from gcomp.state_checks import generator_state
 from gcomp.kernels import on_device
 from gcomp.memory import NoMemory
 from gcomp.method import Method
@@ -236,12 +237,34 @@ class PowerSGDCompressor(ChainedCompressor):
         check_state(self, state, {"generator": torch.Tensor, "queries": dict, "errors": dict})
         tensor_dict("powersgd", "queries", state["queries"])
         tensor_dict("powersgd", "errors", state["errors"])
+        generator_state("powersgd", "cpu", state["generator"])
+        self._check_shapes(state["queries"], state["errors"])
         self.generator.set_state(state["generator"])
         self._queries = {n: t.clone() for n, t in state["queries"].items()}
         self._errors = {n: t.clone() for n, t in state["errors"].items()}
 
     def parameter_state(self, state: dict) -> dict:
         return {"errors": state["errors"]}
+
+    def _check_shapes(self, queries: dict, errors: dict) -> None:
+        """Each query (m x r) and error (n x m) of the shape this model's parameter takes at this rank (once a
+        model is bound): one of another shape would be dropped without a word at its first step."""
+        if not self.shapes:
+            return  # no model: every bucket goes dense, nothing reads them
+        for slot, held in (("queries", queries), ("errors", errors)):
+            for name, t in held.items():
+                shape = self.shapes.get(name)
+                where = f"powersgd: {slot!r} of parameter {name!r}"
+                if shape is None:
+                    raise ValueError(f"{where}: the model has no such parameter")
+                if not self._compresses(shape):
+                    raise ValueError(f"{where}: the parameter (shape {tuple(shape)}) travels dense at rank="
+                                     f"{self.approx_rank}, so it has none (a checkpoint of another rank or model?)")
+                n, m = shape[0], math.prod(shape[1:])
+                want = (m, min(n, m, self.approx_rank)) if slot == "queries" else (n, m)
+                if tuple(t.shape) != want:
+                    raise ValueError(f"{where}: shape {tuple(t.shape)}, the parameter (shape {tuple(shape)}) at "
+                                     f"rank={self.approx_rank} needs {want} (a checkpoint of another rank or model?)")
 
     def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
         """Only the sum of the errors over ranks matters to the next steps: it is kept. The warm-start

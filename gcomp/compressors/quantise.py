@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
 from gcomp.core import Compressor, check_state
+from gcomp.state_checks import generator_state
 from gcomp.kernels import on_device, segments
 
 _SEED_BITS = 63  # torch seeds are 64-bit; staying below the sign bit keeps every API happy
@@ -64,9 +65,11 @@ class RankGenerator:
     def load_state_dict(self, state: dict | torch.Tensor) -> None:
         if isinstance(state, torch.Tensor):  # a checkpoint from before per-device generators: the CPU one's
             state = {"cpu": state}
-        if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                                  and v.dtype == torch.uint8 for k, v in state.items()):
-            raise ValueError("the random generator state must map devices to generator states (uint8 tensors)")
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise ValueError(f"{self.tag}: the random generator state must map devices to generator states "
+                             "(uint8 tensors)")
+        for device, value in state.items():  # a wrong size must fail here, not at the first draw
+            generator_state(self.tag, device, value)
         self._generators.clear()
         self._pending = {key: value.clone() for key, value in state.items()}
 

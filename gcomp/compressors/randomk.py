@@ -18,7 +18,7 @@ from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
 from gcomp.sharding import RowStrategy
-from gcomp.state_checks import check_state
+from gcomp.state_checks import check_state, generator_state
 
 
 @dataclass
@@ -157,6 +157,7 @@ class RandomKCompressor(Compressor):
 
     def load_state_dict(self, state: dict) -> None:
         check_state(self, state, {"generator": torch.Tensor}, {"device_stream": dict})
+        generator_state("randomk", "cpu", state["generator"])  # checked before anything is loaded
         if "device_stream" in state:
             self.device_stream.load_state_dict(state["device_stream"])
         else:  # a checkpoint of the CPU path: the device path has not drawn yet

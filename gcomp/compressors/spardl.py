@@ -144,6 +144,10 @@ class SparDLCompressor(ScheduledCompressor):
                         {"union": (torch.Tensor, type(None))})
             if b["h"] < 1:
                 raise ValueError(f"spardl budget {key!r}: 'h' must be at least 1, got {b['h']}")
+            union = b.get("union")
+            if union is not None and (union.numel() != 1 or union.is_floating_point() or union.is_complex()):
+                raise ValueError(f"spardl budget {key!r}: 'union' must be one integer (the last step's union size), "
+                                 f"got a {union.dtype} tensor of {union.numel()} entries")
         super().load_state_dict({"memory": state["memory"]})
         self._budgets = {key: _Budget(b["h"], b["step"], b["inertia"], b.get("union")) for key, b in budgets.items()}
 

@@ -85,6 +85,7 @@ class BucketTrack:
     mask_digest: torch.Tensor | None = None
     unchecked: int = 0  # packed steps since the masks were last compared with ``mask_digest``
     fresh: bool = False  # made for a new layout, not restored: its first step may send a candidate at once
+    names: tuple[str, ...] = ()  # the layout's parameters, in its order (saved with the track)
 
     def unfreeze(self) -> None:
         """Back to tracking from scratch: the support goes, and with it everything the method kept on it."""

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from gcomp.bucket import BucketInfo
-from gcomp.packing.checkpoint import carry_of, check_track, track_entry
+from gcomp.packing.checkpoint import carry_of, check_restored, check_track, track_entry
 from gcomp.packing.groups import GroupSupport
 from gcomp.packing.mask_check import mask_state, masks_differ
 from gcomp.pruning.masks import mask_of, masks_digest, named_masks, parameter_of
@@ -143,6 +143,7 @@ class MaskTracker:
         track = self.tracks.get(info.key)
         if track is None:
             track = self.tracks[info.key] = self._restore(info, device, build)
+            track.names = info.names
         signature = self._signature(info)
         changed_here = track.signature is not None and signature != track.signature
         track.signature = signature
@@ -217,6 +218,7 @@ class MaskTracker:
         saved = self._restored.pop(info.key, None)
         if saved is None:
             return BucketTrack(fresh=True)
+        check_restored(f"{self.label}: tracker entry {info.key!r}", saved, info.names)
         support = self._build(info, device, build=build) if "digest" in saved else None
         if support is not None and not torch.equal(support.digest.cpu(), saved["digest"].cpu()):
             return BucketTrack()
@@ -234,14 +236,16 @@ class MaskTracker:
         """Per bucket layout: mode, stable count, the flags received last, the digest of the frozen (or
         candidate) support, and what the method carries with the support (``Carry``): the residual (error
         feedback, or a carried excess) and the exponents of the ternary scale carried to the next step (none
-        when a resync is pending: the next step takes the exact scale then). ``gcomp.packing.checkpoint``."""
-        return {key: track_entry(t) for key, t in self.tracks.items()}
+        when a resync is pending: the next step takes the exact scale then). ``gcomp.packing.checkpoint``.
+        Entries a load left for layouts not seen since are saved as they were: a checkpoint taken right after
+        ``load_state_dict`` holds everything the loaded one did."""
+        return {**self._restored, **{key: track_entry(t) for key, t in self.tracks.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict):
             raise ValueError(f"{self.label}: the tracker state must be a dict, got {type(state).__name__}")
         for key, entry in state.items():
-            check_track(f"{self.label}: tracker entry {key!r}", entry)
+            check_track(f"{self.label}: tracker entry {key!r}", entry, key)
         self.tracks, self._restored = {}, dict(state)
 
     def _freeze(self, track: BucketTrack, support: Support, info: BucketInfo) -> None:

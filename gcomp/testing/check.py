@@ -159,7 +159,7 @@ def _nonfinite(run: _Run) -> None:
 def _state_dict(run: _Run) -> None:
     try:
         dependence = codec_checks.layout_dependence(run.source.create, run.source.label)
-    except Exception as err:  # noqa: BLE001 -- the codec fails: the fixed-layout cases will say how
+    except Exception as err:  # noqa: BLE001 -- the codec fails: the layout-kept cases will say how
         dependence = f"whether {run.source.label} depends on the bucket layout is unknown ({type(err).__name__}: {err})"
     for flavour in RESUMES:
         def check(f=flavour):

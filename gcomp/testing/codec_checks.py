@@ -135,10 +135,13 @@ def check_conservation(method: Any, dtype: torch.dtype) -> None:
 
 def layout_dependence(make: Callable[[], Any], label: str) -> str | None:
     """None when the method treats each parameter's entries alike wherever DDP places them in the bucket, else
-    why a resumed plain-DDP run cannot be held to the uninterrupted one (``label`` names the method).
+    why a resumed plain-DDP run checkpointed before DDP's bucket rebuild cannot be held to the uninterrupted one
+    (``label`` names the method).
 
-    Only a layout-independent method lets a resumed plain-DDP run (whose fresh model starts again from DDP's
-    initial bucket layout) follow the uninterrupted run (on the rebuilt layout) bit for bit. A method that says
+    A checkpoint taken after the rebuild records the layouts, and the resumed run reduces the fresh DDP's first
+    bucket as those (``gcomp.resume_layouts``); one taken before records none to go back to. Then only a
+    layout-independent method lets the resumed run (on DDP's first bucket) follow the uninterrupted run (on the
+    rebuilt layout) bit for bit. A method that says
     it ``depends_on_layout`` is not; others are checked on the MLP's parameters laid out in two orders, over a
     few error-feedback steps; a composite (``gcomp.composite.Composite``: ``auto``, ``hierarchical``) is when each
     of its parts is; another kind of method, neither, is unknown.

@@ -9,7 +9,7 @@ import torch
 from gcomp.testing import models
 from gcomp.testing.buckets import DTYPES, dtype_name
 from gcomp.testing.report import Skip
-from gcomp.testing.train_jobs import FIXED_LAYOUT, TRAIN_STEPS
+from gcomp.testing.train_jobs import LAYOUT_KEPT, TRAIN_STEPS
 
 
 def _require(condition: bool, message: str) -> None:
@@ -96,10 +96,12 @@ def check_lossless_training(ranks: list[dict], several: bool, static: bool) -> N
 
 
 def resume_skip(flavour: str, layout_dependence: str | None) -> None:
-    """Skip a resume that starts again from DDP's initial bucket layout when the method may depend on the layout
-    (``layout_dependence``: why, from ``codec_checks.layout_dependence``; None when it does not)."""
-    if flavour not in FIXED_LAYOUT and layout_dependence is not None:
-        raise Skip(f"{layout_dependence}: the fixed-layout cases carry the contract")
+    """Skip a resume checkpointed before DDP's bucket rebuild (its first resumed step is on DDP's first bucket)
+    when the method may depend on the layout (``layout_dependence``: why, from ``codec_checks.layout_dependence``;
+    None when it does not)."""
+    if flavour not in LAYOUT_KEPT and layout_dependence is not None:
+        raise Skip(f"{layout_dependence}, and this checkpoint comes before DDP's bucket rebuild: the other cases "
+                   "carry the contract")
 
 
 def check_resume(ranks: list[dict], method, flavour: str) -> None:

@@ -47,8 +47,9 @@ def job_train(method: str | MethodSource, configs: list[tuple[bool, bool]] = tup
 
 
 # name -> (DDP options, steps between checkpoints). "rebuilt": plain DDP, whose fresh model starts again from its
-# initial bucket layout while the run that never stopped is on the rebuilt one. "fixed": find_unused_parameters,
-# one layout throughout (and no warm-up). "chained": a checkpoint after every step, one with no step in between.
+# initial bucket layout while the run that never stopped is on the rebuilt one (the hook reduces it as the saved
+# layouts, gcomp.resume_layouts). "fixed": find_unused_parameters, one layout throughout (and no warm-up).
+# "chained": a checkpoint after every step, one with no step in between; its first before DDP's rebuild.
 RESUMES = {
     "rebuilt": ({}, [RESUME_AT, RESUME_STEPS]),
     "fixed": ({"find_unused_parameters": True}, [RESUME_AT, RESUME_STEPS]),
@@ -57,7 +58,9 @@ RESUMES = {
     "chained": ({}, [1, 1, 0, 1, 1]),
     "chained-static": ({"static_graph": True}, [1, 1, 0, 1, 1]),
 }
-FIXED_LAYOUT = ("fixed", "fixed-several")
+# the resumes whose buckets are laid out as the saved run's: every method keeps the contract there; the chained
+# ones checkpoint before DDP's rebuild, so their first resumed step is on DDP's first bucket
+LAYOUT_KEPT = ("rebuilt", "fixed", "fixed-several")
 RESUME_WORLD = 2
 
 

@@ -13,8 +13,7 @@ def bytes_job(name: str, params: dict, numel: int, steps: int = 2, seed: int = 0
     """Feed ``steps`` fake buckets of ``numel`` fp32 entries (one parameter) through the hook, compressing from
     the first step; returns this rank's stats, the results and every rank's results gathered."""
     rank = dist.get_rank()
-    net = torch.nn.parallel.DistributedDataParallel(mlp(seed))
-    state = gcomp.HookState(gcomp.create(name, **params), net, None)
+    state = gcomp.HookState(gcomp.create(name, **params))  # no model: the fake bucket's parameter is its own
     state.warmup = 0
     param = torch.nn.Parameter(torch.zeros(numel))
     results = []

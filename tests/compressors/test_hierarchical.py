@@ -24,7 +24,7 @@ from tests.models import ddp, flat_params, mlp, train
 
 def reduce_job(params: dict, numel: int = 3000, dtype: torch.dtype = torch.float32) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    state = gcomp.HookState(gcomp.create("hierarchical", **params), ddp(mlp(0)), None)
+    state = gcomp.HookState(gcomp.create("hierarchical", **params))  # no model: the fake bucket's parameter
     state.warmup = 0
     param = torch.nn.Parameter(torch.zeros(numel, dtype=dtype))
     grads = [torch.randn(numel, generator=torch.Generator().manual_seed(r), dtype=torch.float64).to(dtype)
@@ -107,7 +107,7 @@ def timed_inner_job(steps: int = 3) -> dict:
     rank = dist.get_rank()
     method = gcomp.create("hierarchical", ranks_per_node=2)
     method.inner = gcomp.Method(_TickingIdentity(), gcomp.NoMemory(), AllreduceCommunicator())
-    state = gcomp.HookState(method, ddp(mlp(0)), None)
+    state = gcomp.HookState(method)  # no model: the fake bucket's parameter is its own
     state.warmup = 0
     param = torch.nn.Parameter(torch.zeros(100))
     real_time, counting.time = counting.time, _Clock

@@ -15,7 +15,8 @@ from tests.packing.test_tracker import BUCKET, Ranks, _edit_in_place, _info
 
 def _fill(state: LayoutState, kept: int) -> None:
     """Everything a ternary (or lossless) method keeps on a frozen support, as after some steps."""
-    state.carry = Carry(residual=torch.ones(kept), exponents=torch.tensor([3, -2]), scale=torch.tensor([1.5, 0.5]),
+    state.carry = Carry(residual=torch.ones(kept), exponents=torch.tensor([3, -2, 0, 1]),  # one per parameter
+                        scale=torch.tensor([1.5, 0.5, 1.0, 1.0]),
                         resync=host_flag(torch.tensor([False])))
     state.ternary = TernaryWork(*(torch.zeros(kept) for _ in range(5)), rows=torch.zeros(2, 3))
     state.packed = torch.zeros(kept + 1)
@@ -34,14 +35,14 @@ def test_the_layout_state_goes_with_the_support_when_a_track_unfreezes():
         _fill(track.state, track.support.kept)
         held.append(track.state)
     assert set(ranks.trackers[0].state_dict()[info.key]) == {"mode", "stable", "pending", "digest", "residual",
-                                                             "exponents"}
+                                                             "exponents", "names"}
     _edit_in_place(ranks.models[1])
     assert ranks.step(info) == PACKED and all(t.state is s for t, s in zip(ranks.tracks, held))
     with pytest.warns(RuntimeWarning, match="changed on some rank"):
         assert ranks.step(info) == TRACKING
     for track, old in zip(ranks.tracks, held):
         assert track.support is None and track.state is not old and track.state == LayoutState()
-    assert set(ranks.trackers[0].state_dict()[info.key]) == {"mode", "stable", "pending"}
+    assert set(ranks.trackers[0].state_dict()[info.key]) == {"mode", "stable", "pending", "names"}
 
 
 def test_checkpoint_entries_hold_the_carry_and_give_it_back_typed():
@@ -54,8 +55,8 @@ def test_checkpoint_entries_hold_the_carry_and_give_it_back_typed():
     track = ranks.tracks[0]
     _fill(track.state, track.support.kept)
     entry = ranks.trackers[0].state_dict()[info.key]
-    assert list(entry) == ["mode", "stable", "pending", "digest", "residual", "exponents"]
-    assert entry["residual"] is track.state.carry.residual and torch.equal(entry["exponents"], torch.tensor([3, -2]))
+    assert list(entry) == ["mode", "stable", "names", "pending", "digest", "residual", "exponents"]
+    assert entry["residual"] is track.state.carry.residual and torch.equal(entry["exponents"], torch.tensor([3, -2, 0, 1]))
     track.state.carry.resync = host_flag(torch.tensor([True]))
     assert "exponents" not in ranks.trackers[0].state_dict()[info.key]
 

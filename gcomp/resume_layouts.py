@@ -1,0 +1,107 @@
+"""A resumed run's first buckets, reduced as the run that was saved laid them out.
+
+DDP builds a fresh model's first buckets from the parameters' registration order (without
+``find_unused_parameters``: one bucket per dtype holding every parameter), and rebuilds them after its first
+step (its second with ``static_graph``) in the order the gradients became ready, split by ``bucket_cap_mb``. A
+run that never stopped is on the rebuilt buckets; a run resumed from its checkpoint starts again on the first
+ones. A method whose result depends on the layout (random positions or draws taken in bucket order, a top-k
+per bucket, per-layout state such as pactrain's tracker) would then take another step there, and the resumed run
+would leave the trajectory of the one that never stopped.
+
+So the hook state saves the layouts of its last step (``SavedLayouts.state``), and in a resumed run, for as
+many steps as DDP keeps its first buckets, a bucket holding exactly the parameters of several saved layouts (or
+of one, in another order) is cut into them: each is copied out in its saved order and reduced on its own, in
+the saved order of buckets, and the results are copied back. One copy of the bucket each way, on those steps
+only; from DDP's rebuild on, the buckets are the saved ones again.
+"""
+from __future__ import annotations
+
+import torch
+
+from gcomp.bucket import BucketInfo
+
+# one piece of a live bucket reduced as a saved layout: the layout, and where each of its parameters lies in
+# the live bucket (offset, numel), in the layout's order
+Piece = tuple[BucketInfo, list[tuple[int, int]]]
+
+
+class SavedLayouts:
+    """The bucket layouts of a hook state's last step, for its checkpoint; a loaded checkpoint's, for the first
+    steps of the resumed run (module docstring)."""
+
+    def __init__(self):
+        self._step: list[BucketInfo] = []  # this step's layouts so far
+        self._last: list[BucketInfo] = []  # the last whole step's
+        self._loaded: list[tuple[int, tuple[str, ...]]] = []  # (bucket index, names) of a loaded checkpoint
+        self._left = 0  # steps the loaded layouts still apply to
+
+    def record(self, info: BucketInfo, last: bool) -> None:
+        """A bucket reduced with layout ``info``; ``last``: the step's last bucket."""
+        self._step.append(info)
+        if last:
+            self._last, self._step = self._step, []
+
+    def state(self) -> list[dict]:
+        """``[{"index": i, "names": [...]}, ...]``: the last step's layouts, or those a load left that no step
+        has replaced yet (a checkpoint saved right after a load holds what the loaded one did)."""
+        if self._last:
+            return [{"index": info.index, "names": list(info.names)} for info in self._last]
+        return [{"index": index, "names": list(names)} for index, names in self._loaded]
+
+    @staticmethod
+    def check(value) -> list[tuple[int, tuple[str, ...]]]:
+        """A checkpoint's ``layouts``, checked: a ValueError naming what is wrong."""
+        where = "gcomp checkpoint: 'layouts'"
+        if not isinstance(value, list):
+            raise ValueError(f"{where} must be a list of bucket layouts, got {type(value).__name__}")
+        out, seen = [], set()
+        for i, entry in enumerate(value):
+            if not (isinstance(entry, dict) and set(entry) == {"index", "names"}
+                    and isinstance(entry["index"], int) and not isinstance(entry["index"], bool)
+                    and entry["index"] >= 0 and isinstance(entry["names"], list)
+                    and all(isinstance(n, str) for n in entry["names"])):
+                raise ValueError(f"{where}[{i}] must be {{'index': bucket index (int, at least 0), 'names': "
+                                 f"[parameter names]}}, got {entry!r:.200}")
+            if seen.intersection(entry["names"]):
+                raise ValueError(f"{where}[{i}]: parameter {sorted(seen.intersection(entry['names']))[0]!r} is in "
+                                 "two buckets")
+            seen.update(entry["names"])
+            out.append((entry["index"], tuple(entry["names"])))
+        return out
+
+    def load(self, layouts: list[tuple[int, tuple[str, ...]]], steps: int) -> None:
+        """Apply ``layouts`` (``check``'s) to the next ``steps`` steps (those DDP takes on its first buckets)."""
+        self._loaded, self._left = layouts, steps
+        self._step, self._last = [], []
+
+    def step_taken(self) -> None:
+        """A step ended (its last bucket was handed to the method, or to the warm-up's all-reduce)."""
+        self._left = max(0, self._left - 1)
+
+    def pieces(self, bucket: BucketInfo) -> list[Piece] | None:
+        """How a live bucket is reduced as saved layouts: None when it is reduced as it is (no loaded layouts
+        apply, it is one of them, or it does not hold exactly the parameters of some of them)."""
+        if not self._left or not self._loaded:
+            return None
+        live = {name: (offset, numel) for name, offset, numel in bucket.segments()}
+        chosen = [(index, saved) for index, saved in self._loaded if live.keys() & set(saved)]
+        if any(not live.keys() >= set(saved) for _, saved in chosen) or \
+                sum(len(saved) for _, saved in chosen) != len(live):
+            return None  # not a union of saved layouts: DDP grouped it otherwise
+        if chosen == [(bucket.index, bucket.names)]:
+            return None  # the saved layout itself
+        return [(BucketInfo.from_layout(index, bucket.dtype, saved, [live[n][1] for n in saved]),
+                 [live[n] for n in saved]) for index, saved in sorted(chosen)]
+
+
+def gather(buffer: torch.Tensor, where: list[tuple[int, int]]) -> torch.Tensor:
+    """The entries of ``buffer`` at ``where`` ((offset, numel) each), concatenated: a new tensor."""
+    return torch.cat([buffer[offset:offset + numel] for offset, numel in where])
+
+
+def scatter(out: torch.Tensor, piece: torch.Tensor, where: list[tuple[int, int]]) -> None:
+    """Write ``piece`` (``gather``'s layout) back into ``out`` at ``where``."""
+    at = 0
+    for offset, numel in where:
+        out[offset:offset + numel].copy_(piece[at:at + numel])
+        at += numel
