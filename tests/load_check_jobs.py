@@ -1,4 +1,4 @@
-"""Rank jobs for tests/test_load_checks.py: checkpoints whose per-rank part does not fit the live model (a tensor,
+"""Rank jobs for tests/test_bad_input.py (its load checks): checkpoints whose per-rank part does not fit the live model (a tensor,
 a generator state or a ternary residual of the wrong size), loaded on one gloo rank; and a hook state bound to one
 model and registered on another."""
 from __future__ import annotations

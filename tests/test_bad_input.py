@@ -15,8 +15,11 @@ from torch import nn
 import gcomp
 from gcomp.cli import main as cli
 from gcomp.pruning import StructuredADMM, prune
+from gcomp.bucket import BucketInfo
+from gcomp.bucket_state import BucketState
 from gcomp.registry import from_spec
 from tests import bad_input_jobs as jobs
+from tests import load_check_jobs
 from tests.distributed import run_ranks_once
 
 
@@ -316,6 +319,56 @@ def test_install_and_load_input(label, expected, words):
     outcome, message = run_ranks_once("bad-input", 1, jobs.install_and_load_cases)[0][label]
     assert outcome == expected, (label, outcome, message)
     _check_words(message, words)
+
+
+# a checkpoint part that does not fit the live model, refused at load_state_dict (label, words the ValueError must hold)
+LOAD_CHECKS = [
+    ("pactrain: a generator state of the wrong size", ["pactrain", "generator state for device 'cpu'", "100 bytes",
+                                                       "5056"]),
+    ("terngrad: a generator state that is not uint8", ["terngrad", "1-D torch.uint8", "torch.float32"]),
+    ("dgc: a generator state of the wrong size", ["dgc", "generator state", "100 bytes", "5056"]),
+    ("randomk: a generator state of the wrong size", ["randomk", "generator state", "100 bytes", "5056"]),
+    ("powersgd: a generator state of the wrong size", ["powersgd", "generator state", "100 bytes", "5056"]),
+    ("powersgd: a query of the wrong shape", ["'queries' of parameter '2.weight'", "(16, 2)", "(32, 1)"]),
+    ("powersgd: an error of the wrong shape", ["'errors' of parameter '2.weight'", "(1024,)", "(32, 32)"]),
+    ("pactrain: a ternary residual of the wrong size", ["tracker entry", "parameters 4.bias, 4.weight", "'residual'",
+                                                        "holds 7 entries", "its support keeps"]),
+    ("pactrain: a ternary residual of the wrong dtype", ["'residual' must be a 1-D torch.float32", "torch.float64"]),
+    ("pactrain: carried exponents of the wrong size", ["'exponents' holds 9 entries", "one per parameter",
+                                                       "which has 6"]),
+    # an older checkpoint records no names: the live layout checks the exponents when it takes them up
+    ("pactrain: carried exponents of the wrong size, no names saved", ["'exponents' holds 9 entries", "which has 6",
+                                                                       "the checkpoint is of another model"]),
+    ("spardl: a union of two entries", ["spardl budget", "'union' must be one integer", "2 entries"]),
+    ("layouts: not a list of layouts", ["'layouts'[0]", "'index'", "'names'"]),
+    ("comm_hook: a state bound to another model", ["bound to another model", "One state serves one DDP model",
+                                                   "model=ddp_model", "state.bind(ddp_model)"]),
+]
+
+
+@pytest.mark.parametrize("label, words", LOAD_CHECKS, ids=[row[0] for row in LOAD_CHECKS])
+def test_a_part_that_does_not_fit_is_refused_at_load(label, words):
+    outcome, message = run_ranks_once("load-checks", 1, load_check_jobs.load_cases)[0][label]
+    assert outcome == "ValueError", (label, outcome, message)
+    for word in words:
+        assert word in message, f"{word!r} not in: {message}"
+
+
+def test_every_load_check_runs():
+    done = run_ranks_once("load-checks", 1, load_check_jobs.load_cases)[0]
+    assert {label for label, _ in LOAD_CHECKS} == set(done)
+
+
+def test_residuals_made_for_another_model_name_the_cause():
+    """A state's pieces that do not fit the bucket they are taken up by (a checkpoint of another model loaded
+    into a state that knows no model): the message says why and what to do."""
+    state = BucketState(("residuals",), owner="ResidualMemory")
+    state.load_state_dict({"residuals": {"bucket0.param0": torch.zeros(640)}})
+    bucket = BucketInfo.from_layout(0, torch.float32, ["bucket0.param0"], [10])
+    with pytest.raises(ValueError) as err:
+        state.get(bucket, torch.zeros(10))
+    for word in ("hold 640 elements", "holds 10", "made for another model", "One state serves one DDP model"):
+        assert word in str(err.value), str(err.value)
 
 
 def test_the_table_is_complete():
