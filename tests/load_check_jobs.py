@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gcomp
-from gcomp import checkpoint
+from tests.bad_input_jobs import _edit_part
 from tests.models import ddp, mlp, train
 from tests.resume_jobs import pruned_mlp
 
@@ -36,12 +36,7 @@ def _trained(name: str, model: nn.Module | None = None, **params) -> dict:
     return state.state_dict()
 
 
-def _edit(state: dict, edit) -> dict:
-    """``state`` with rank 0's part changed by ``edit(method state)``."""
-    key = checkpoint.rank_key(0)
-    part = checkpoint.unpack(key, state["ranks"][key])
-    edit(part)
-    return {**state, "ranks": {key: checkpoint.pack(part)}}
+_edit = _edit_part  # rank 0's part changed by edit(part)
 
 
 def _load_and_step(state: dict, name: str, model: nn.Module | None = None, **params):
