@@ -1,0 +1,100 @@
+"""Rank jobs for tests/test_dense.py: every registered method with parameters kept dense, checked against plain
+DDP fed the same weights and batches."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gcomp
+from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, flat_params, mlp, train
+
+STEPS = 4
+
+
+def _reference_grads(model: nn.Module, ref: nn.Module, x, y) -> dict[str, torch.Tensor]:
+    """Plain DDP's gradients at ``model``'s weights for the batch ``(x, y)``."""
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.copy_(p)
+    ref.zero_grad()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    return {n: p.grad.clone() for n, p in ref.module.named_parameters()}
+
+
+def train_dense(name: str, steps: int = STEPS, **rule) -> dict:
+    """``name`` installed with ``rule`` (``dense=``/``dense_below=``) on mlp, trained ``steps`` steps next to a plain
+    DDP model: per step after the warm-up, the dense parameters whose gradient differs from plain DDP's (should be
+    none); the stats; the parameters' sum (the same on every rank)."""
+    model, ref = ddp(mlp(0), bucket_cap_mb=SEVERAL_BUCKETS_MB), ddp(mlp(0), bucket_cap_mb=SEVERAL_BUCKETS_MB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one node (hierarchical, prunex), no masks (pactrain): said elsewhere
+        state = gcomp.install(model, name, **rule)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    differ, checked, rank = [], 0, dist.get_rank()
+    for step in range(steps):
+        x, y = batch(step, rank)
+        expected = _reference_grads(model, ref, x, y)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if step >= state.warmup:
+            checked += 1
+            differ += [(step, n) for n, p in model.module.named_parameters()
+                       if n in state.dense_names and not torch.equal(p.grad, expected[n])]
+        opt.step()
+    return {"differ": differ, "checked": checked, "dense": sorted(state.dense_names), "stats": dict(state.stats),
+            "warmup": state.warmup, "sum": float(flat_params(model).double().sum()), "loss": float(loss.detach())}
+
+
+def every_method(**rule) -> dict:
+    return {name: train_dense(name, **rule) for name in gcomp.available()}
+
+
+def resumed_alike(names: list[str]) -> dict:
+    """For each method, with ``dense=["*.bias"]`` on 2 and 3 buckets: the parameters of a run straight through
+    equal those of the same run checkpointed after its step 2 and resumed on a fresh model (True)."""
+    from tests.resume_jobs import AFTER, BUCKETS, PARAMS, _run
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            params = {**PARAMS.get(name, {}), "dense": ["*.bias"]}
+            for buckets in (2, 3):
+                straight, stats = _run(name, params, BUCKETS[buckets], [2 + AFTER])
+                resumed, again = _run(name, params, BUCKETS[buckets], [2, AFTER])
+                out[(name, buckets)] = (torch.equal(straight, resumed), stats["dense_bytes"], again["dense_bytes"])
+    return out
+
+
+def method_calls(**rule) -> dict:
+    """identity with ``rule`` on 3 buckets, its ``reduce`` recorded on one step after the warm-up: per call, the
+    layout's names and whether it got the DDP bucket's own buffer; and the all-reduces launched that step."""
+    model = ddp(mlp(0), bucket_cap_mb=0.001)
+    state, gcomp_hook = gcomp.comm_hook("identity", model=model, **rule)
+    calls, buffers = [], []
+    reduce = state.method.reduce
+
+    def recorded(buffer, info, group, stats):
+        calls.append((info.names, buffer.data_ptr() in buffers))
+        return reduce(buffer, info, group, stats)
+
+    def hook(s, bucket):
+        buffers.append(bucket.buffer().data_ptr())
+        return gcomp_hook(s, bucket)
+
+    state.method.reduce = recorded
+    model.register_comm_hook(state, hook)
+    train(model, 2)
+    calls.clear()
+    before = state.stats["allreduce_calls"]
+    train(model, 1, start=2)
+    return {"calls": calls, "allreduces": state.stats["allreduce_calls"] - before}
+
+
+def last_layer(name: str, param: torch.Tensor) -> bool:
+    """A predicate for ``dense=``: the output layer's parameters (importable, so a rank job can take it)."""
+    return name.startswith("4.") and param.requires_grad
