@@ -69,15 +69,15 @@ class DenseRule:
         return ", ".join(parts)
 
     def select(self, named_parameters) -> tuple[str, ...]:
-        """The names of the parameters kept dense, in the model's order; a pattern matching none is a
-        ValueError naming it; a rule keeping none, or all, warns once."""
+        """The names of the parameters kept dense among ``named_parameters`` (those that train), in their order;
+        a pattern matching none is a ValueError naming it; a rule keeping none, or all, warns once."""
         named = list(named_parameters)
         names = [n for n, _ in named]
         for pattern in self.patterns:
             if not fnmatch.filter(names, pattern):
                 shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-                raise ValueError(f"gcomp: dense= pattern {pattern!r} matches no parameter of the model; its "
-                                 f"parameters are named as model.named_parameters() names them ({shown}): fix the "
+                raise ValueError(f"gcomp: dense= pattern {pattern!r} matches no trained parameter of the "
+                                 f"model (requires_grad); they are named as model.named_parameters() names them ({shown}): fix the "
                                  "pattern or drop it")
         kept = tuple(n for n, p in named
                      if any(fnmatch.fnmatchcase(n, pat) for pat in self.patterns)

@@ -114,7 +114,8 @@ class HookState(RunState):
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._numels = {n: p.numel() for n, p in model.named_parameters()}
         if self._dense_rule is not None:
-            self.dense_names = frozenset(self._dense_rule.select(model.named_parameters()))
+            trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # DDP's buckets hold these
+            self.dense_names = frozenset(self._dense_rule.select(trained))
             self.stats["dense_params"] = len(self.dense_names)
         return self
 

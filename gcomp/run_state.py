@@ -80,8 +80,8 @@ class RunState:
     def agreement_fields(self, model: torch.nn.Module | None) -> dict[str, str]:
         """What every rank of the group must hold alike before a gradient moves: the method's canonical spec
         (every parameter, defaults included: ``auto``'s allow list, trials and probe interval among them), the
-        kind of state, the process group's ranks, and, with a model, its parameters' names and shapes (one a
-        line)."""
+        kind of state, the process group's ranks, with a model its parameters' names and shapes (one a line), and
+        the parameters kept dense (``gcomp.dense``; "none" without a rule)."""
         fields = {"method": method_spec(self.method), "state": type(self).__name__,
                   "process group": " ".join(map(str, global_ranks(self.group)))}
         if model is not None:

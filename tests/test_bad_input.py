@@ -37,6 +37,13 @@ def _data(width: int = 4, n: int = 12) -> tuple:
     return torch.randn(n, width), torch.arange(n) % 3
 
 
+def _frozen_first() -> nn.Module:
+    """``_mlp`` with its first layer frozen (DDP's buckets do not hold it)."""
+    model = _mlp()
+    model[0].requires_grad_(False)
+    return model
+
+
 def _admm_pruned_twice():
     admm = StructuredADMM(_cnn())
     admm.prune()
@@ -134,7 +141,10 @@ LOCAL = [
     ("StructuredADMM: interval 0", lambda: StructuredADMM(_cnn(), interval=0), ValueError, ["interval"]),
     ("StructuredADMM: prune twice", _admm_pruned_twice, RuntimeError, ["already called"]),
     ("comm_hook: a dense= pattern that matches nothing", lambda: gcomp.comm_hook("topk", model=_mlp(), dense="*.bais"),
-     ValueError, ["pattern '*.bais' matches no parameter", "0.weight, 0.bias", "fix the pattern"]),
+     ValueError, ["pattern '*.bais' matches no trained parameter", "0.weight, 0.bias", "fix the pattern"]),
+    ("comm_hook: a dense= pattern that matches a frozen parameter only", lambda: gcomp.comm_hook(
+        "topk", model=_frozen_first(), dense="0.bias"), ValueError, ["'0.bias' matches no trained parameter",
+                                                                    "requires_grad", "2.weight"]),
     ("comm_hook: dense= without a model", lambda: gcomp.comm_hook("topk", dense="*.bias"), ValueError,
      ["dense=['*.bias']", "needs the model", "model=ddp_model"]),
     ("comm_hook: dense_below=0", lambda: gcomp.comm_hook("topk", model=_mlp(), dense_below=0), ValueError,
