@@ -24,18 +24,21 @@ def _reference_grads(model: nn.Module, ref: nn.Module, x, y) -> dict[str, torch.
     return {n: p.grad.clone() for n, p in ref.module.named_parameters()}
 
 
-def train_dense(name: str, steps: int = STEPS, **rule) -> dict:
+def train_dense(name: str, steps: int = STEPS, device: str = "cpu", **rule) -> dict:
     """``name`` installed with ``rule`` (``dense=``/``dense_below=``) on mlp, trained ``steps`` steps next to a plain
     DDP model: per step after the warm-up, the dense parameters whose gradient differs from plain DDP's (should be
-    none); the stats; the parameters' sum (the same on every rank)."""
-    model, ref = ddp(mlp(0), bucket_cap_mb=SEVERAL_BUCKETS_MB), ddp(mlp(0), bucket_cap_mb=SEVERAL_BUCKETS_MB)
+    none); the stats; the parameters' sum (the same on every rank). ``device="cuda"``: on the rank's GPU."""
+    if device == "cuda":
+        device = f"cuda:{dist.get_rank() % torch.cuda.device_count()}"
+    ids = {"device_ids": [device]} if device != "cpu" else {}
+    model, ref = (ddp(mlp(0).to(device), bucket_cap_mb=SEVERAL_BUCKETS_MB, **ids) for _ in range(2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one node (hierarchical, prunex), no masks (pactrain): said elsewhere
         state = gcomp.install(model, name, **rule)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     differ, checked, rank = [], 0, dist.get_rank()
     for step in range(steps):
-        x, y = batch(step, rank)
+        x, y = (t.to(device) for t in batch(step, rank))
         expected = _reference_grads(model, ref, x, y)
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
@@ -66,7 +69,8 @@ def resumed_alike(names: list[str]) -> dict:
             for buckets in (2, 3):
                 straight, stats = _run(name, params, BUCKETS[buckets], [2 + AFTER])
                 resumed, again = _run(name, params, BUCKETS[buckets], [2, AFTER])
-                out[(name, buckets)] = (torch.equal(straight, resumed), stats["dense_bytes"], again["dense_bytes"])
+                out[(name, buckets)] = (torch.equal(straight, resumed), stats["dense_bytes"], again["dense_bytes"],
+                                        again["dense_params"])
     return out
 
 

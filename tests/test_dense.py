@@ -59,9 +59,9 @@ def test_buckets_without_dense_parameters_are_untouched():
 
 def test_a_resume_with_dense_parameters_equals_the_run_straight_through():
     got = run_ranks_once("dense: resume", 2, jobs.resumed_alike, ["topk", "powersgd", "dgc", "efsignsgd"])[0]
-    for case, (same, straight_bytes, resumed_bytes) in got.items():
+    for case, (same, straight_bytes, resumed_bytes, dense_params) in got.items():
         assert same, case
-        assert straight_bytes == resumed_bytes > 0, case
+        assert straight_bytes == resumed_bytes > 0 and dense_params == 3, case
 
 
 def test_the_split_of_a_layout():
