@@ -102,3 +102,15 @@ def method_calls(**rule) -> dict:
 def last_layer(name: str, param: torch.Tensor) -> bool:
     """A predicate for ``dense=``: the output layer's parameters (importable, so a rank job can take it)."""
     return name.startswith("4.") and param.requires_grad
+
+
+def loaded_without_a_rule() -> int:
+    """topk checkpointed without a rule, loaded by a state with ``dense=["*.bias"]``: its ``dense_params``."""
+    model = ddp(mlp(0))
+    state = gcomp.install(model, "topk", ratio=0.1)
+    train(model, 2)
+    saved = state.state_dict()
+    fresh = ddp(mlp(0))
+    again = gcomp.install(fresh, "topk", ratio=0.1, dense=["*.bias"])
+    again.load_state_dict(saved)
+    return again.stats["dense_params"]

@@ -87,3 +87,7 @@ def test_rules_select_by_pattern_predicate_and_size():
         DenseRule("*").select(named)
     with pytest.warns(UserWarning, match="keeps no parameter of the model dense"):
         DenseRule(dense_below=2).select(named)
+
+
+def test_a_load_keeps_this_runs_count_of_dense_parameters():
+    assert run_ranks_once("dense: load", 2, jobs.loaded_without_a_rule) == [3, 3]
