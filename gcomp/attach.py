@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from gcomp.dense import DenseRule, DenseSpec
 from gcomp.groups import check_member, check_same_ranks
 from gcomp.hook import HookState, gcomp_hook
 from gcomp.method import MethodUnit
@@ -27,7 +28,8 @@ def make_method(name_or_method: Union[str, MethodUnit], params: dict) -> MethodU
 
 
 def comm_hook(name_or_method: Union[str, MethodUnit], process_group: dist.ProcessGroup | None = None,
-              model: torch.nn.Module | None = None, **params) -> tuple[HookState, Callable]:
+              model: torch.nn.Module | None = None, *, dense: DenseSpec = None, dense_below: int | None = None,
+              **params) -> tuple[HookState, Callable]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``, or for a trainer that registers the
     hook itself (Lightning: ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)``).
 
@@ -40,16 +42,21 @@ def comm_hook(name_or_method: Union[str, MethodUnit], process_group: dist.Proces
     At its first bucket the state checks, on every rank, that all ranks run the same method over the same group
     (``gcomp.agreement``); bound to a DDP model, also that ``process_group`` has the DDP model's ranks (without one
     it cannot tell, and warns once when ``process_group`` is given).
+
+    ``dense`` (parameter names or glob patterns, a str or a list, or a predicate ``(name, param) -> bool``) and
+    ``dense_below=N`` (parameters of fewer than N entries) keep parameters uncompressed: they need ``model``
+    (``gcomp.dense`` says how their entries travel).
     """
+    rule = DenseRule.of(dense, dense_below)
     method = method_from(name_or_method, params)
     if dist.is_initialized():
         check_member(process_group, "gcomp.comm_hook")
-    return HookState(method, model, process_group), gcomp_hook
+    return HookState(method, model, process_group, rule), gcomp_hook
 
 
 def install(model: torch.nn.Module | None = None, name_or_method: Union[str, MethodUnit, None] = None,
             process_group: dist.ProcessGroup | None = None, *, if_distributed: bool = False,
-            **params) -> HookState | None:
+            dense: DenseSpec = None, dense_below: int | None = None, **params) -> HookState | None:
     """Put a method on ``model`` and return its state: on a DDP model, gcomp's communication hook (a
     ``HookState``); on a ``fully_shard``-ed model (FSDP2's ``FSDPModule``, the root of the tree), gcomp's
     reduce-scatter on every FSDP module (an ``FSDPState``, ``gcomp.fsdp``): methods without an FSDP2 row strategy
@@ -63,6 +70,8 @@ def install(model: torch.nn.Module | None = None, name_or_method: Union[str, Met
     debugging run), where the model is not wrapped in DDP: a module that is not DDP, with no process group or
     a group of one, is left as it is with one info line (logger ``gcomp``), and None is returned. By default,
     or with more than one process, a model that is not DDP is a ``TypeError``.
+
+    ``dense=`` / ``dense_below=`` keep parameters uncompressed (``gcomp.comm_hook`` says how; DDP only).
     """
     if "ddp_model" in params and model is None:  # its name until 0.1, when install took DDP models only
         warnings.warn("gcomp.install(ddp_model=...) is now install(model=...)", DeprecationWarning, stacklevel=2)
@@ -75,7 +84,11 @@ def install(model: torch.nn.Module | None = None, name_or_method: Union[str, Met
         ddp_model = inner  # the hook lives on DDP's reducer, which the compiled module runs as it is
     if isinstance(inner, FSDPModule):
         ddp_model = inner
+    rule = DenseRule.of(dense, dense_below)  # a bad rule is an error on one process too
     if isinstance(ddp_model, FSDPModule):
+        if rule is not None:
+            raise ValueError("gcomp.install: dense= / dense_below= is for DDP; not yet under FSDP2 (every "
+                             "parameter of an FSDP2 model is compressed): leave it out")
         from gcomp.fsdp.install import install_fsdp  # FSDP2's own modules load only when used
         return install_fsdp(ddp_model, method_from(name_or_method, params), process_group)
     if not isinstance(ddp_model, DistributedDataParallel):
@@ -96,7 +109,8 @@ def install(model: torch.nn.Module | None = None, name_or_method: Union[str, Met
         process_group = ddp_model.process_group
     else:
         check_same_ranks("gcomp.install", process_group, ddp_model.process_group)
-    state, hook = comm_hook(name_or_method, process_group, model=ddp_model, **params)
+    state, hook = comm_hook(name_or_method, process_group, model=ddp_model, dense=dense, dense_below=dense_below,
+                            **params)
     try:
         ddp_model.register_comm_hook(state, hook)
     except RuntimeError as err:

@@ -14,6 +14,7 @@ from gcomp.bucket import BucketInfo
 from gcomp.collectives import futures
 from gcomp.collectives.allreduce import all_reduce_all
 from gcomp.core import Payload
+from gcomp.dense import STAT_KEYS as DENSE_KEYS, DenseRule, reduce_split, split_of
 from gcomp.device_future import then_on
 from gcomp.groups import check_member, check_same_ranks
 from gcomp.method import MethodUnit
@@ -62,11 +63,19 @@ class HookState(RunState):
 
     A method may add counters of its own (its compressor's and communicator's ``stat_keys``: ``pactrain``
     counts its mask tracker's switches, ``threshold`` its padding, ``hierarchical`` its inter-node bytes).
+    With ``dense=`` or ``dense_below=`` (``gcomp.dense``: parameters kept uncompressed, which needs the model),
+    two more: ``dense_bytes``, the bytes of the dense entries' all-reduces (within ``bytes_sent``; the warm-up's
+    plain all-reduces are not counted there), and ``dense_params``, the number of parameters kept dense.
     """
 
     def __init__(self, method: MethodUnit, model: torch.nn.Module | None = None,
-                 process_group: dist.ProcessGroup | None = None):
-        super().__init__(method, process_group)
+                 process_group: dist.ProcessGroup | None = None, dense: DenseRule | None = None):
+        if dense is not None and model is None:
+            raise ValueError(f"gcomp: dense= / dense_below= ({dense.describe()}) needs the model, whose parameter "
+                             "names it selects: pass model=ddp_model to gcomp.comm_hook (or use gcomp.install)")
+        super().__init__(method, process_group, DENSE_KEYS if dense is not None else ())
+        self._dense_rule = dense
+        self._splits: dict = {}  # layout key -> its gcomp.dense.Split, or None (no dense parameter in it)
         self.model: torch.nn.Module | None = None  # the module whose parameter names key the state
         self._names: dict[int, str] = {}
         self._layouts: dict[tuple, BucketInfo] = {}
@@ -104,6 +113,10 @@ class HookState(RunState):
         self.model = model
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._numels = {n: p.numel() for n, p in model.named_parameters()}
+        if self._dense_rule is not None:
+            trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # DDP's buckets hold these
+            self.dense_names = frozenset(self._dense_rule.select(trained))
+            self.stats["dense_params"] = len(self.dense_names)
         return self
 
     def _ensure_ready(self) -> None:
@@ -190,7 +203,7 @@ class HookState(RunState):
         futures = []
         for i, (info, where) in enumerate(pieces):
             self._saved_layouts.record(info, last=last and i == len(pieces) - 1)
-            futures.append(self.method.reduce(gather(buffer, where), info, self.group, self.stats))
+            futures.append(self._reduce_layout(gather(buffer, where), info))
         self.stats["buckets"] += len(pieces) - 1  # as many reductions as the saved run made
 
         def assemble(done: torch.futures.Future) -> torch.Tensor:
@@ -240,7 +253,24 @@ class HookState(RunState):
         if pieces is not None:
             return self._reduce_as_saved(buffer, pieces, last)
         self._saved_layouts.record(info, last=last)
-        return self.method.reduce(buffer, info, self.group, stats)
+        return self._reduce_layout(buffer, info)
+
+    def _reduce_layout(self, buffer: torch.Tensor, info: BucketInfo) -> torch.futures.Future:
+        """The method on the bucket; with dense parameters in it, on the rest beside their all-reduce."""
+        if self._dense_rule is not None:
+            if info.key not in self._splits:
+                self._splits[info.key] = split_of(info, self.dense_names, buffer.device)
+            split = self._splits[info.key]
+            if split is not None:
+                return reduce_split(buffer, split, lambda flat, sub: self.method.reduce(flat, sub, self.group,
+                                                                                         self.stats),
+                                    self.group, self.stats)
+        return self.method.reduce(buffer, info, self.group, self.stats)
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self._dense_rule is not None:  # this run's rule, not the checkpoint's count
+            self.stats["dense_params"] = len(self.dense_names)
 
     def _own_extras(self) -> dict:
         """The bucket layouts of the last step (``gcomp.resume_layouts``), so a resumed run reduces its first

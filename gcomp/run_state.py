@@ -25,6 +25,7 @@ FIXES = {
     "parameters": "Every rank must bind the same model (same parameter names and shapes)",
     "checkpoint": "Load the same checkpoint on every rank",
     "load": "The checkpoint is refused on every rank, so none goes on from a different state",
+    "dense parameters": "Pass the same dense= and dense_below= on every rank (gcomp.install, gcomp.comm_hook)",
 }
 
 
@@ -54,6 +55,7 @@ class RunState:
         self._stat_keys = keys + tuple(k for k in method.stat_keys if k not in keys)
         self.stats: dict[str, Union[int, float]] = {k: 0.0 if k.endswith("_s") else 0 for k in self._stat_keys}
         self._numels: dict[str, int] = {}
+        self.dense_names: frozenset[str] = frozenset()  # parameters kept uncompressed (gcomp.dense)
         self._backward = None  # the backward pass (autograd graph task) of the step being counted
 
     # --- joining the process group ----------------------------------------------------------------------------
@@ -78,12 +80,13 @@ class RunState:
     def agreement_fields(self, model: torch.nn.Module | None) -> dict[str, str]:
         """What every rank of the group must hold alike before a gradient moves: the method's canonical spec
         (every parameter, defaults included: ``auto``'s allow list, trials and probe interval among them), the
-        kind of state, the process group's ranks, and, with a model, its parameters' names and shapes (one a
-        line)."""
+        kind of state, the process group's ranks, with a model its parameters' names and shapes (one a line), and
+        the parameters kept dense (``gcomp.dense``; "none" without a rule)."""
         fields = {"method": method_spec(self.method), "state": type(self).__name__,
                   "process group": " ".join(map(str, global_ranks(self.group)))}
         if model is not None:
             fields["parameters"] = "\n".join(f"{n} {tuple(p.shape)}" for n, p in model.named_parameters())
+        fields["dense parameters"] = "\n".join(sorted(self.dense_names)) or "none (no dense=)"
         return fields
 
     def _ensure_ready(self) -> None:

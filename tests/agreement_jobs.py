@@ -115,3 +115,13 @@ def collectives_of_agreeing_install() -> int:
         for where, name, fn in real:
             setattr(where, name, fn)
     return len(calls)
+
+
+def install_dense_per_rank(rules: list) -> tuple:
+    """Rank r installs topk with ``dense=rules[r]`` (None: no rule) and trains: the parameters' sum, or the error."""
+    def call():
+        model = ddp(mlp(0))
+        gcomp.install(model, "topk", ratio=0.1, dense=rules[dist.get_rank()])
+        train(model, 2)
+        return float(flat_params(model).double().sum())
+    return _outcome(call)

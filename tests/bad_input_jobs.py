@@ -124,6 +124,7 @@ def install_and_load_cases() -> dict:
         "install: an install on the root after one on an FSDP child": lambda: _install_twice("child"),
         "load: FSDP2 pactrain saved on 2 ranks, resumed on 1": lambda: _fsdp_resized(
             "pactrain", ternary=True, error_feedback=True),
+        "install: dense= on an FSDP2 model": lambda: gcomp.install(_sharded(), "topk", dense="*.bias"),
         "load: signum saved on 2 ranks, resumed on 1": _load(_two_ranks(_trained_state("signum")), "signum"),
     }
     for label, call in cases.items():

@@ -52,6 +52,12 @@ def test_parameters_that_differ_are_refused(world):
     _all_refuse(outcomes, "disagree on parameters", "item 0", "0.weight", "first.weight", "same model")
 
 
+def test_dense_rules_that_differ_are_refused():
+    outcomes = run_ranks(2, jobs.install_dense_per_rank, ["*.bias", None])
+    _all_refuse(outcomes, "disagree on dense parameters", "0.bias", "none (no dense=)", "rank 1 has",
+                "same dense= and dense_below= on every rank")
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_comm_hook_over_another_group_than_ddp_is_refused(world):
     groups = [list(range(world - 1))] * (world - 1) + [[world - 1]]

@@ -37,6 +37,13 @@ def _data(width: int = 4, n: int = 12) -> tuple:
     return torch.randn(n, width), torch.arange(n) % 3
 
 
+def _frozen_first() -> nn.Module:
+    """``_mlp`` with its first layer frozen (DDP's buckets do not hold it)."""
+    model = _mlp()
+    model[0].requires_grad_(False)
+    return model
+
+
 def _admm_pruned_twice():
     admm = StructuredADMM(_cnn())
     admm.prune()
@@ -133,6 +140,24 @@ LOCAL = [
     ("StructuredADMM: a negative rho", lambda: StructuredADMM(_cnn(), rho=-1), ValueError, ["rho"]),
     ("StructuredADMM: interval 0", lambda: StructuredADMM(_cnn(), interval=0), ValueError, ["interval"]),
     ("StructuredADMM: prune twice", _admm_pruned_twice, RuntimeError, ["already called"]),
+    ("comm_hook: a dense= pattern that matches nothing", lambda: gcomp.comm_hook("topk", model=_mlp(), dense="*.bais"),
+     ValueError, ["pattern '*.bais' matches no trained parameter", "0.weight, 0.bias", "fix the pattern"]),
+    ("comm_hook: a dense= pattern that matches a frozen parameter only", lambda: gcomp.comm_hook(
+        "topk", model=_frozen_first(), dense="0.bias"), ValueError, ["'0.bias' matches no trained parameter",
+                                                                    "requires_grad", "2.weight"]),
+    ("comm_hook: dense= without a model", lambda: gcomp.comm_hook("topk", dense="*.bias"), ValueError,
+     ["dense=['*.bias']", "needs the model", "model=ddp_model"]),
+    ("comm_hook: dense_below=0", lambda: gcomp.comm_hook("topk", model=_mlp(), dense_below=0), ValueError,
+     ["dense_below must be a positive number of entries", "got 0"]),
+    ("comm_hook: dense_below=-5", lambda: gcomp.comm_hook("topk", model=_mlp(), dense_below=-5), ValueError,
+     ["dense_below", "got -5"]),
+    ("comm_hook: a dense= predicate that is not callable", lambda: gcomp.comm_hook("topk", model=_mlp(), dense=3),
+     TypeError, ["predicate (name, param) -> bool", "got int", "not callable"]),
+    ("comm_hook: dense=[]", lambda: gcomp.comm_hook("topk", model=_mlp(), dense=[]), ValueError,
+     ["dense=[] names no parameter"]),
+    ("comm_hook: a dense_below that keeps nothing dense", lambda: gcomp.comm_hook("topk", model=_mlp(),
+                                                                                  dense_below=2),
+     "warns", ["dense_below=2 keeps no parameter", "no effect"]),
 ]
 
 # (label, argv, words on stderr); every one exits with 2 before any worker or pre-training starts
@@ -234,6 +259,7 @@ IN_A_RANK = [
     ("load: FSDP2 pactrain saved on 2 ranks, resumed on 1", "ValueError",
      ["saved at world size 2, this run has 1", "pactrain under FSDP2 keeps its mask tracker", "resume on 2 ranks",
       "start pactrain's state afresh", "skip load_state_dict"]),
+    ("install: dense= on an FSDP2 model", "ValueError", ["dense= / dense_below= is for DDP", "not yet under FSDP2"]),
     ("load: signum saved on 2 ranks, resumed on 1", "ValueError",
      ["saved at world size 2, this run has 1", "signum cannot move its state", "resume on 2 ranks",
       "start signum's state afresh"]),

@@ -9,6 +9,7 @@
   (broadcast and all_reduce; not send/recv, so the point-to-point schedules are skipped, and a collective that
   gloo refuses on CUDA skips its method with gloo's message): replicas identical, lossless methods equal to
   plain DDP;
+- ``dense=`` on 2 gloo ranks on CUDA tensors, for the all-reduce methods: kept parameters equal plain DDP;
 - ``gcomp bench --device cuda`` (gloo, 2 workers on the GPUs there are), and with ``--backend nccl`` where
   there are 2 GPUs.
 
@@ -219,6 +220,17 @@ def test_every_method_trains_on_two_gloo_ranks_with_cuda_tensors(name):
     for rank, result in enumerate(ranks):
         _check_training(name, result, f"rank {rank} of 2 gloo ranks on CUDA")
     assert torch.equal(ranks[0]["params"], ranks[1]["params"]), f"{name}: the two replicas differ"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [m for m in METHODS if gcomp.create(m).collective == "allreduce"])
+def test_dense_parameters_on_cuda_tensors_get_plain_ddps_gradient(name):
+    """``dense=`` on CUDA (its index tensors on the bucket's device, its future one a stream waits for)."""
+    from tests import dense_jobs
+    ranks = run_ranks_once(("gpu-dense", name), 2, dense_jobs.train_dense, name, device="cuda", dense="*.bias")
+    for got in ranks:
+        assert got["checked"] >= 3 and got["differ"] == [], (name, got["differ"])
+    assert ranks[0]["sum"] == ranks[1]["sum"], f"{name}: the two replicas differ"
 
 
 # --- the training race on CUDA -----------------------------------------------------------------------------------
