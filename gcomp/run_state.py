@@ -3,6 +3,7 @@ install-time agreement and the checkpoints (save, gather, load). The DDP hook's 
 ``FSDPState`` and HSDP's ``ReplicaState`` are run states; each adds only how its calls arrive."""
 from __future__ import annotations
 
+import warnings
 from typing import Union
 
 import torch
@@ -157,6 +158,7 @@ class RunState:
             checkpoint.check_stats(part["stats"])
             self._check_parameters(part)
             self.method.load_state_dict(part["method"])
+            self._warn_unused_dense(part)
             self.iteration = state["iteration"]
             self.stats.update({k: part["stats"].get(k, 0) for k in self._stat_keys})  # in place: methods hold it
         except Exception as err:  # noqa: BLE001 -- every rank must hear of it before any raises
@@ -174,6 +176,18 @@ class RunState:
     def _own_extras(self) -> dict:
         """What a subclass adds to this rank's part of a checkpoint (the DDP hook: its bucket layouts)."""
         return {}
+
+    def _warn_unused_dense(self, part: dict) -> None:
+        """A checkpoint's per-parameter state of parameters this run keeps dense is never taken up: say so once."""
+        if not self.dense_names:
+            return
+        saved = {name for tensors in self.method.parameter_state(part["method"]).values() for name in tensors}
+        unused = sorted(saved & self.dense_names)
+        if unused:
+            warnings.warn(f"gcomp checkpoint: the state saved for {len(unused)} parameter(s) this run keeps dense "
+                          f"({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}) is not used: dense= "
+                          "all-reduces them as they are, and what their residuals held back is dropped",
+                          UserWarning, stacklevel=3)
 
     def _check_parameters(self, part: dict) -> None:
         """The per-parameter tensors of a loaded part, against ``_numels`` (``HookState`` may defer it)."""

@@ -104,13 +104,16 @@ def last_layer(name: str, param: torch.Tensor) -> bool:
     return name.startswith("4.") and param.requires_grad
 
 
-def loaded_without_a_rule() -> int:
-    """topk checkpointed without a rule, loaded by a state with ``dense=["*.bias"]``: its ``dense_params``."""
+def loaded_without_a_rule() -> tuple:
+    """topk checkpointed without a rule, loaded by a state with ``dense=["*.bias"]``: its ``dense_params``, and
+    what the load warned."""
     model = ddp(mlp(0))
     state = gcomp.install(model, "topk", ratio=0.1)
     train(model, 2)
     saved = state.state_dict()
     fresh = ddp(mlp(0))
     again = gcomp.install(fresh, "topk", ratio=0.1, dense=["*.bias"])
-    again.load_state_dict(saved)
-    return again.stats["dense_params"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.load_state_dict(saved)
+    return again.stats["dense_params"], [str(w.message) for w in caught]

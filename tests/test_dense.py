@@ -89,5 +89,8 @@ def test_rules_select_by_pattern_predicate_and_size():
         DenseRule(dense_below=2).select(named)
 
 
-def test_a_load_keeps_this_runs_count_of_dense_parameters():
-    assert run_ranks_once("dense: load", 2, jobs.loaded_without_a_rule) == [3, 3]
+def test_a_load_keeps_this_runs_count_of_dense_parameters_and_warns_of_state_left_unused():
+    for dense_params, said in run_ranks_once("dense: load", 2, jobs.loaded_without_a_rule):
+        assert dense_params == 3
+        assert len(said) == 1 and "the state saved for 3 parameter(s) this run keeps dense" in said[0], said
+        assert "0.bias" in said[0] and "is not used" in said[0], said
