@@ -59,3 +59,19 @@ def test_lightnings_own_registration_takes_comm_hooks_pair():
     for r in results:
         assert r["stats"]["steps"] == 3 and r["stats"]["bytes_sent"] < r["stats"]["bytes_dense"]
     assert torch.equal(results[0]["params"], results[1]["params"])
+
+
+def test_gcomp_install_on_a_lightning_module_names_the_callback():
+    import lightning as L
+
+    import gcomp
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+
+    with pytest.raises(TypeError, match=r"got Tiny\. This is a LightningModule: Lightning builds the DDP model when "
+                                        r"fitting starts; pass callbacks=\[gcomp.integrations.lightning."
+                                        r"GcompCallback\('topk', ratio=0.01\)\] to L.Trainer"):
+        gcomp.install(Tiny(), "topk", ratio=0.05)
