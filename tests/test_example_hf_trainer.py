@@ -94,3 +94,37 @@ def test_a_resume_without_every_ranks_gcomp_state_is_an_error_on_every_rank(tmp_
         assert message.startswith(f"gcomp: resuming from {tmp_path}, which holds no gcomp state for every rank"), \
             message
         assert "resume=False to start gcomp's state afresh" in message
+
+
+def test_the_callback_waits_through_evaluation_and_refuses_training_outside_ddp(tmp_path):
+    from types import SimpleNamespace
+
+    from gcomp.integrations.transformers import GcompCallback
+
+    callback, model = GcompCallback("topk", ratio=0.05), torch.nn.Linear(4, 2)
+    callback.on_train_begin(SimpleNamespace(world_size=2, output_dir=str(tmp_path)), SimpleNamespace(global_step=0),
+                            None, model=model)
+    model.eval()(torch.randn(1, 4))  # eval_on_start: the Trainer evaluates the bare model
+    assert callback.state is None and callback._pending is not None
+    with pytest.raises(TypeError, match=r"GcompCallback needs the Trainer's DDP model \(several processes, no "
+                                        r"DeepSpeed or FSDP\): the model's first forward ran outside DDP"):
+        model.train()(torch.randn(1, 4))
+
+
+def test_one_process_refuses_to_resume_a_distributed_runs_state(tmp_path):
+    from types import SimpleNamespace
+
+    from gcomp.integrations.transformers import GcompCallback, state_file
+
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    for rank in range(2):
+        torch.save({}, state_file(folder, rank))
+    args, step = SimpleNamespace(world_size=1, output_dir=str(tmp_path)), SimpleNamespace(global_step=4)
+    with pytest.raises(ValueError, match=r"checkpoint-4 holds a distributed run's gcomp state \(2 rank\(s\)\) but "
+                                         r"this run is one process.*resume with as many processes as saved it, or "
+                                         r"pass GcompCallback\(\.\.\., resume=False\)"):
+        GcompCallback("topk", ratio=0.05).on_train_begin(args, step, None, model=torch.nn.Linear(4, 2))
+    callback = GcompCallback("topk", resume=False, ratio=0.05)
+    callback.on_train_begin(args, step, None, model=torch.nn.Linear(4, 2))
+    assert str(callback.state).startswith("gcomp: not distributed")

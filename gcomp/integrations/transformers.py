@@ -65,12 +65,17 @@ class GcompCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.state is not None or self._pending is not None:
             return
+        folder = self._resume_folder(args, state.global_step)
         if args.world_size <= 1:
+            saved = sorted(folder.glob("gcomp-rank*.pt")) if folder is not None and folder.is_dir() else []
+            if saved:
+                raise ValueError(f"gcomp: {folder} holds a distributed run's gcomp state ({len(saved)} rank(s)) but "
+                                 "this run is one process, where nothing is compressed: resume with as many "
+                                 "processes as saved it, or pass GcompCallback(..., resume=False) to leave it")
             self.state = NotDistributed(self._method, "one process: the Trainer made no DistributedDataParallel")
             _log.info("gcomp: one process and no DistributedDataParallel model: nothing to compress, no hook")
             return
-        folder = self._resume_folder(args, state.global_step)
-        self._pending = model.register_forward_pre_hook(lambda *_: self._install(folder))
+        self._pending = model.register_forward_pre_hook(lambda module, _: self._install(module, folder))
 
     def _resume_folder(self, args, step: int) -> Path | None:
         if self.resume is False or (step == 0 and self.resume is True):
@@ -79,10 +84,12 @@ class GcompCallback(TrainerCallback):
             return Path(self.resume)
         return Path(_trainer_resume_path() or Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}")
 
-    def _install(self, folder: Path | None) -> None:
+    def _install(self, module: torch.nn.Module, folder: Path | None) -> None:
+        ddp = DistributedDataParallel._get_active_ddp_module()
+        if ddp is None and not module.training:
+            return  # an evaluation before training (eval_on_start) runs the bare model: wait for training's
         self._pending.remove()
         self._pending = None
-        ddp = DistributedDataParallel._get_active_ddp_module()
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError("gcomp.integrations.transformers.GcompCallback needs the Trainer's DDP model (several "
                             "processes, no DeepSpeed or FSDP): the model's first forward ran outside DDP")
