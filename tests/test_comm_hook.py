@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch import nn
 
 import gcomp
-from gcomp.local_state import NotDistributed
 from gcomp.run_state import STAT_KEYS
 from tests.distributed import run_ranks
 from tests.models import SEVERAL_BUCKETS_MB, ddp, flat_params, mlp, train
@@ -134,7 +133,7 @@ def test_install_on_one_process_without_ddp_is_a_no_op_only_when_asked(caplog):
         gcomp.install(model, "topk", ratio=0.05)
     with caplog.at_level(logging.INFO, logger="gcomp"):
         state = gcomp.install(model, "topk", if_distributed=True, ratio=0.05)
-    assert isinstance(state, NotDistributed) and not state.distributed
+    assert isinstance(state, gcomp.NotDistributed) and not state.distributed
     assert state.stats["bytes_sent"] == state.stats["steps"] == 0 and state.compression_ratio == 1.0
     assert sorted(state.stats) == sorted(STAT_KEYS)
     assert str(state) == "gcomp: not distributed: nothing compressed (topk; one process, Linear is not " \

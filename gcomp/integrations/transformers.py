@@ -49,8 +49,9 @@ class GcompCallback(TrainerCallback):
       made from ``report_to`` come before user callbacks, so they do not see it);
     - each checkpoint folder gets ``gcomp-rank{R}.pt`` from every rank; when ``train`` resumes (global step
       above 0) every rank loads its own from the folder ``train(resume_from_checkpoint=...)`` resumes from
-      (else ``output_dir/checkpoint-{step}``), or from ``resume`` where it names a folder. A resumed run whose folder holds no gcomp state is a ValueError on every rank;
-      ``resume=False`` starts gcomp's state afresh instead.
+      (else ``output_dir/checkpoint-{step}``), or from ``resume`` where it names a folder. A resumed run
+      whose folder holds no gcomp state is a ValueError on every rank; ``resume=False`` starts gcomp's state
+      afresh instead. One process refuses a folder holding a distributed run's gcomp state the same way.
 
     Parameters are validated when the callback is made.
     """
