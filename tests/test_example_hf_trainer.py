@@ -14,6 +14,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+# importing the Trainer's callback API (transformers' trainer, accelerate) takes seconds on its own
+pytestmark = pytest.mark.slow
 
 from tests.distributed import run_ranks  # noqa: E402
 from tests.models import run_example  # noqa: E402
@@ -37,7 +39,6 @@ def _run(folder: Path, *extra: str) -> tuple[dict, float]:
     return stats, float(re.search(r"LOGGED ratio=([\d.]+)", out).group(1))
 
 
-@pytest.mark.slow
 def test_trainer_example_compresses_logs_checkpoints_and_resumes(tmp_path):
     assert SHOWN in (ROOT / "docs" / "integrations.md").read_text() and SHOWN in EXAMPLE.read_text()
     stats, logged = _run(tmp_path / "whole")  # 8 steps, checkpoints at 4 and 8
@@ -51,7 +52,6 @@ def test_trainer_example_compresses_logs_checkpoints_and_resumes(tmp_path):
     assert stats["steps"] == 8 and stats["iteration"] == 8, stats  # 4 loaded, 4 run
 
 
-@pytest.mark.slow
 def test_on_one_process_the_callback_installs_nothing_and_says_so(tmp_path):
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainingArguments
