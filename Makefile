@@ -4,7 +4,7 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-EXTRAS := test,examples,bench,lightning,accelerate
+EXTRAS := test,examples,bench,lightning,accelerate,transformers
 
 .PHONY: install run test clean
 

@@ -1,13 +1,18 @@
 """Accelerate with gcomp: scikit-learn's bundled digits, a small MLP, a method by name.
 
-    torchrun --nproc_per_node 2 examples/accelerate_train.py --dir /tmp/acc --method topk:ratio=0.05
-    torchrun --nproc_per_node 2 examples/accelerate_train.py --dir /tmp/acc2 --resume /tmp/acc/state
+    accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 examples/accelerate_train.py --dir /tmp/acc
+    accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 examples/accelerate_train.py \
+        --dir /tmp/acc2 --resume /tmp/acc/state
+
+On CPU, ``--multi_gpu`` is Accelerate's route to several processes (it runs torchrun; ``torchrun
+--nproc_per_node 2 examples/accelerate_train.py ...`` does the same) and ``Accelerator(cpu=True)`` makes them
+one gloo group; ``accelerate launch --cpu`` starts one process whatever ``--num_processes`` says.
 
 The gcomp line comes after ``accelerator.prepare``:
 ``gcomp.integrations.accelerate.install(accelerator, model, method, **params)`` installs the hook on the DDP
 model ``prepare`` made and registers the hook state, so ``accelerator.save_state`` holds every rank's part and
-``load_state`` gives each rank its own. Under one process (``python examples/accelerate_train.py`` or
-``accelerate launch --cpu``) there is no DDP model: it installs nothing and says so.
+``load_state`` gives each rank its own. Under one process (``python examples/accelerate_train.py``) there is no
+DDP model: it installs nothing and the state it returns says so (``stats`` all zero).
 
 Batches depend only on the step and the rank, so a resumed run repeats the uninterrupted one exactly. Rank 0
 prints ``BYTES sent=S dense=D steps=N``; ``--dir`` holds ``state/`` (saved at ``--save-at``) and
@@ -70,7 +75,7 @@ def main(argv=None) -> None:
     # before exit can abort the process in gloo's thread at interpreter shutdown, with or without gcomp)
     torch.save({n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()},
                folder / f"final_rank{accelerator.process_index}.pt")
-    if accelerator.is_main_process and state is not None:
+    if accelerator.is_main_process:
         print(f"BYTES sent={state.stats['bytes_sent']} dense={state.stats['bytes_dense']} "
               f"steps={state.stats['steps']}", flush=True)
     accelerator.end_training()

@@ -9,6 +9,7 @@ from gcomp.bucket import BucketInfo
 from gcomp.core import (ALLGATHER, ALLREDUCE, HIERARCHICAL, POINT_TO_POINT, Communicator, Compressor, Memory,
                         Payload)
 from gcomp.hook import HookState
+from gcomp.local_state import NotDistributed
 from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.method import Method, MethodUnit
 from gcomp.params import OneOf, Range
@@ -19,5 +20,6 @@ from gcomp import compressors, packing, pruning  # noqa: E402,F401  (registers t
 __version__ = "0.1.0"
 
 __all__ = ["ALLGATHER", "ALLREDUCE", "BucketInfo", "Communicator", "Compressor", "HIERARCHICAL", "HookState", "Memory",
-           "Method", "MethodUnit", "NoMemory", "OneOf", "POINT_TO_POINT", "Payload", "Range", "ResidualMemory",
-           "UnknownMethodError", "available", "comm_hook", "create", "describe", "install", "register", "spec"]
+           "Method", "MethodUnit", "NoMemory", "NotDistributed", "OneOf", "POINT_TO_POINT", "Payload", "Range",
+           "ResidualMemory", "UnknownMethodError", "available", "comm_hook", "create", "describe", "install",
+           "register", "spec"]

@@ -15,8 +15,10 @@ from torch.nn.parallel import DistributedDataParallel
 from gcomp.dense import DenseRule, DenseSpec
 from gcomp.groups import check_member, check_same_ranks
 from gcomp.hook import HookState, gcomp_hook
+from gcomp.local_state import NotDistributed
 from gcomp.method import MethodUnit
 from gcomp.registry import method_from
+from gcomp.routes import launched_processes, trainer_route
 
 _log = logging.getLogger("gcomp")
 
@@ -56,7 +58,7 @@ def comm_hook(name_or_method: Union[str, MethodUnit], process_group: dist.Proces
 
 def install(model: torch.nn.Module | None = None, name_or_method: Union[str, MethodUnit, None] = None,
             process_group: dist.ProcessGroup | None = None, *, if_distributed: bool = False,
-            dense: DenseSpec = None, dense_below: int | None = None, **params) -> HookState | None:
+            dense: DenseSpec = None, dense_below: int | None = None, **params) -> HookState | NotDistributed:
     """Put a method on ``model`` and return its state: on a DDP model, gcomp's communication hook (a
     ``HookState``); on a ``fully_shard``-ed model (FSDP2's ``FSDPModule``, the root of the tree), gcomp's
     reduce-scatter on every FSDP module (an ``FSDPState``, ``gcomp.fsdp``): methods without an FSDP2 row strategy
@@ -66,10 +68,12 @@ def install(model: torch.nn.Module | None = None, name_or_method: Union[str, Met
     Collectives run on ``process_group``, by default the DDP model's own. A ``torch.compile``d DDP model is
     unwrapped: the hook goes on the DDP model inside.
 
-    ``if_distributed=True`` is for scripts that also run on one process (``accelerate launch --cpu``, a
-    debugging run), where the model is not wrapped in DDP: a module that is not DDP, with no process group or
-    a group of one, is left as it is with one info line (logger ``gcomp``), and None is returned. By default,
-    or with more than one process, a model that is not DDP is a ``TypeError``.
+    ``if_distributed=True`` is for scripts that also run on one process (``python train.py``, a debugging run),
+    where the model is not wrapped in DDP: a module that is not DDP, with no process group or a group of one,
+    is left as it is with one info line (logger ``gcomp``), and a ``gcomp.local_state.NotDistributed`` is
+    returned (``stats`` all zero, ``compression_ratio`` 1.0, printed as "not distributed: nothing
+    compressed"). By default, or with more than one process, a model that is not DDP is a ``TypeError``
+    naming the route: inside Accelerate or for a LightningModule, that trainer's gcomp integration.
 
     ``dense=`` / ``dense_below=`` keep parameters uncompressed (``gcomp.comm_hook`` says how; DDP only).
     """
@@ -92,16 +96,7 @@ def install(model: torch.nn.Module | None = None, name_or_method: Union[str, Met
         from gcomp.fsdp.install import install_fsdp  # FSDP2's own modules load only when used
         return install_fsdp(ddp_model, method_from(name_or_method, params), process_group)
     if not isinstance(ddp_model, DistributedDataParallel):
-        alone = not dist.is_initialized() or dist.get_world_size() == 1
-        if if_distributed and alone and isinstance(ddp_model, torch.nn.Module):
-            method_from(name_or_method, params)  # a bad name or parameter is an error on one process too
-            _log.info("gcomp.install: one process and no DistributedDataParallel model (%s): nothing to "
-                      "compress, no hook installed", type(ddp_model).__name__)
-            return None
-        raise TypeError(f"gcomp.install needs a torch.nn.parallel.DistributedDataParallel model; got "
-                        f"{type(ddp_model).__name__}. Wrap it first: DistributedDataParallel(model)"
-                        + ("" if if_distributed or not alone else
-                           "; on one process, install(..., if_distributed=True) skips it instead"))
+        return _not_ddp(ddp_model, name_or_method, params, if_distributed)
     if getattr(ddp_model, "_gcomp_state", None) is not None:
         raise RuntimeError(f"a gcomp hook ({ddp_model._gcomp_state.method.name}) is already installed on this "
                            "model; DDP takes one communication hook per model: build a new DDP model to change it")
@@ -118,3 +113,24 @@ def install(model: torch.nn.Module | None = None, name_or_method: Union[str, Met
                            f"mixed_precision option registers its own): {err}") from err
     ddp_model._gcomp_state = state
     return state
+
+
+def _not_ddp(model, name_or_method, params: dict, if_distributed: bool) -> NotDistributed:
+    """``install`` on a model that is not DDP: a ``NotDistributed`` state where asked and alone, else the error
+    naming the route (a trainer's integration where one owns the model)."""
+    alone = (not dist.is_initialized() or dist.get_world_size() == 1) and launched_processes() == 1
+    route = trainer_route(model) if isinstance(model, torch.nn.Module) else None
+    if if_distributed and alone and isinstance(model, torch.nn.Module):
+        method = method_from(name_or_method, params)  # a bad name or parameter is an error on one process too
+        _log.info("gcomp.install: one process and no DistributedDataParallel model (%s): nothing to "
+                  "compress, no hook installed", type(model).__name__)
+        return NotDistributed(method, f"one process, {type(model).__name__} is not DistributedDataParallel")
+    launched = launched_processes()
+    fix = route or ("Wrap it first: DistributedDataParallel(model)"
+                    + ("" if if_distributed or not alone else
+                       "; on one process, install(..., if_distributed=True) skips it instead")
+                    + (f" ({launched} processes were launched, WORLD_SIZE={launched}, and no process group is "
+                       "set up: torch.distributed.init_process_group first)"
+                       if launched > 1 and not dist.is_initialized() else ""))
+    raise TypeError(f"gcomp.install needs a torch.nn.parallel.DistributedDataParallel model; got "
+                    f"{type(model).__name__}. {fix[0].upper()}{fix[1:]}")

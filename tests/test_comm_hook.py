@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gcomp
+from gcomp.run_state import STAT_KEYS
 from tests.distributed import run_ranks
 from tests.models import SEVERAL_BUCKETS_MB, ddp, flat_params, mlp, train
 
@@ -131,12 +132,27 @@ def test_install_on_one_process_without_ddp_is_a_no_op_only_when_asked(caplog):
     with pytest.raises(TypeError, match="if_distributed=True"):
         gcomp.install(model, "topk", ratio=0.05)
     with caplog.at_level(logging.INFO, logger="gcomp"):
-        assert gcomp.install(model, "topk", if_distributed=True, ratio=0.05) is None
+        state = gcomp.install(model, "topk", if_distributed=True, ratio=0.05)
+    assert isinstance(state, gcomp.NotDistributed) and not state.distributed
+    assert state.stats["bytes_sent"] == state.stats["steps"] == 0 and state.compression_ratio == 1.0
+    assert sorted(state.stats) == sorted(STAT_KEYS)
+    assert str(state) == "gcomp: not distributed: nothing compressed (topk; one process, Linear is not " \
+                         "DistributedDataParallel)"
+    assert state.state_dict() == {}
+    with pytest.raises(ValueError, match="as many processes as saved it"):
+        state.load_state_dict({"ranks": {}})
     assert [r.message for r in caplog.records if r.name == "gcomp"] == [
         "gcomp.install: one process and no DistributedDataParallel model (Linear): nothing to compress, no hook "
         "installed"]
     with pytest.raises(ValueError, match="ratio"):
         gcomp.install(model, "topk", if_distributed=True, ratio=2.0)
+
+
+def test_install_under_a_launcher_without_a_process_group_names_init_process_group(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun started 2, the script set up no process group
+    with pytest.raises(TypeError, match=r"2 processes were launched, WORLD_SIZE=2, and no process group is set up: "
+                                        r"torch.distributed.init_process_group first"):
+        gcomp.install(nn.Linear(4, 2), "topk", if_distributed=True, ratio=0.05)
 
 
 def _pactrain_with_and_without_a_model() -> dict:

@@ -59,3 +59,45 @@ def test_lightnings_own_registration_takes_comm_hooks_pair():
     for r in results:
         assert r["stats"]["steps"] == 3 and r["stats"]["bytes_sent"] < r["stats"]["bytes_dense"]
     assert torch.equal(results[0]["params"], results[1]["params"])
+
+
+def test_gcomp_install_on_a_lightning_module_names_the_callback():
+    import lightning as L
+
+    import gcomp
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 2)
+
+    with pytest.raises(TypeError, match=r"got Tiny\. This is a LightningModule: Lightning builds the DDP model when "
+                                        r"fitting starts; pass callbacks=\[gcomp.integrations.lightning."
+                                        r"GcompCallback\('topk', ratio=0.01\)\] to L.Trainer"):
+        gcomp.install(Tiny(), "topk", ratio=0.05)
+
+
+def test_on_one_process_the_callback_installs_nothing_and_says_so(tmp_path):
+    import lightning as L
+
+    from gcomp.integrations.lightning import GcompCallback
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            return self.layer(batch).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callback = GcompCallback("topk", ratio=0.05)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[callback], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4))
+    assert str(callback.state) == ("gcomp: not distributed: nothing compressed (topk; one process: Lightning made "
+                                   "no DistributedDataParallel)")
+    assert callback.state.stats["bytes_sent"] == 0 and callback.state_dict() == {}

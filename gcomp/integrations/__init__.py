@@ -1,2 +1,3 @@
-"""Drop-ins for trainers: ``gcomp.integrations.lightning`` (extra ``gcomp[lightning]``) and
-``gcomp.integrations.accelerate`` (extra ``gcomp[accelerate]``), each imported only when asked for."""
+"""Drop-ins for trainers, each imported only when asked for: ``gcomp.integrations.lightning`` (extra
+``gcomp[lightning]``), ``gcomp.integrations.accelerate`` (``gcomp[accelerate]``) and
+``gcomp.integrations.transformers`` (the Hugging Face Trainer, ``gcomp[transformers]``)."""

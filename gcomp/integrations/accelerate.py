@@ -7,16 +7,24 @@
 Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only PyTorch's own hooks, so gcomp goes
 on after ``prepare``, on the DDP model it returns. This helper also registers the hook state for
 checkpointing: ``accelerator.save_state`` asks every process for it and the main process writes it, so the
-file holds every rank's part (gathered); ``load_state`` hands each rank its own. On one process (``accelerate
-launch --cpu`` starts one) ``prepare`` makes no DDP model: nothing is installed, one info line says so, and
-None is returned.
+file holds every rank's part (gathered); ``load_state`` hands each rank its own.
+
+Two processes on CPU: ``Accelerator(cpu=True)`` in the script and ``accelerate launch --multi_gpu
+--num_processes 2 --main_process_port 0 train.py`` (or torchrun). ``accelerate launch --cpu`` starts one
+process whatever ``--num_processes`` says (it starts several only through MPI), and a plain ``Accelerator()``
+on CPU runs every launched process alone: ``install`` refuses that, naming the fix. On one process
+``prepare`` makes no DDP model: nothing is installed and a ``NotDistributed`` state is returned (``stats`` all
+zero, "not distributed: nothing compressed").
 """
 from __future__ import annotations
 
 from typing import Any
 
-from gcomp.hook import HookState
 from gcomp.attach import install as install_hook
+from gcomp.hook import HookState
+from gcomp.local_state import NotDistributed
+from gcomp.registry import method_from
+from gcomp.routes import one_process_of_many
 
 
 class GatheredHookState:
@@ -33,11 +41,15 @@ class GatheredHookState:
         self.state.load_state_dict(state)
 
 
-def install(accelerator, model, name_or_method, **params) -> HookState | None:
+def install(accelerator, model, name_or_method, **params) -> HookState | NotDistributed:
     """``gcomp.install`` on a model ``accelerator.prepare`` returned, and the hook state registered with
     ``accelerator.register_for_checkpointing`` (register in the same order when resuming, as Accelerate
-    requires). Returns the hook state, or None on one process."""
+    requires). Returns the hook state, or on one process a ``NotDistributed`` state (nothing compressed)."""
+    alone = one_process_of_many(accelerator.num_processes)
+    if alone is not None:
+        method_from(name_or_method, dict(params))  # a bad name or parameter is named first
+        raise ValueError(f"gcomp: {alone}")
     state = install_hook(model, name_or_method, if_distributed=True, **params)
-    if state is not None:
+    if not isinstance(state, NotDistributed):  # a hook state, or FSDP2's
         accelerator.register_for_checkpointing(GatheredHookState(state))
     return state

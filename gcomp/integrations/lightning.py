@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gcomp.attach import comm_hook
 from gcomp.registry import method_from
 from gcomp.hook import HookState, gcomp_hook
+from gcomp.local_state import NotDistributed
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -30,8 +31,9 @@ _log = logging.getLogger("gcomp")
 class GcompCallback(Callback):
     """Install a gcomp method on the strategy's DDP model when fitting starts, on every accelerator.
 
-    - ``callback.state`` is the ``HookState`` (None before ``fit``, and on a run of one process, where there is
-      no DDP model and nothing to compress: one info line says so);
+    - ``callback.state`` is the ``HookState`` (None before ``fit``; on a run of one process, where there is no
+      DDP model and nothing to compress, a ``NotDistributed`` state: ``stats`` all zero, "not distributed:
+      nothing compressed");
     - checkpoints carry every rank's hook state (gathered to rank 0, which writes the file); resuming hands
       each rank its own part;
     - ``log_every_n_steps`` of the trainer: ``gcomp_ratio`` (bytes a dense all-reduce would send / bytes sent,
@@ -50,16 +52,17 @@ class GcompCallback(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
+        name_or_method, params = self._method_args
         if trainer.world_size <= 1:
-            self.state = None
+            self.state = NotDistributed(method_from(name_or_method, dict(params)), "one process: Lightning made no "
+                                        "DistributedDataParallel")
             _log.info("gcomp: one process and no DistributedDataParallel model: nothing to compress, no hook")
             return
-        name_or_method, params = self._method_args
         # known by name through the LightningModule: the DDP model made later holds the same parameters
         self.state, _ = comm_hook(method_from(name_or_method, dict(params)), model=pl_module)
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.state is None:
+        if not isinstance(self.state, HookState):
             return
         ddp = trainer.strategy.model
         if not isinstance(ddp, DistributedDataParallel):
@@ -84,7 +87,7 @@ class GcompCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         # every rank calls this when Lightning saves; rank 0 writes the file, so it receives every rank's part
-        if self.state is None:
+        if not isinstance(self.state, HookState):
             return {}
         return {"gcomp": self.state.gather_state_dict(dst=0)}
 
@@ -92,7 +95,7 @@ class GcompCallback(Callback):
         saved = state_dict.get("gcomp")
         if saved is None:
             return
-        if self.state is None:
+        if not isinstance(self.state, HookState):
             raise RuntimeError("GcompCallback: the checkpoint holds a gcomp hook state but this run installs no hook "
                                "(one process?)")
         self.state.load_state_dict(saved)
