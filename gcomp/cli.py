@@ -15,8 +15,25 @@ def _list(args) -> int:
     width = max(map(len, names), default=0)
     column = max(map(len, collectives.values()), default=0)
     for name in names:
-        print(f"{name:<{width}}  {collectives[name]:<{column}}  {gcomp.spec(name).summary}")
+        line = f"{name:<{width}}  {collectives[name]:<{column}}  "
+        print(line + plain_summary(gcomp.spec(name).summary, LIST_WIDTH - len(line)))
+    print("\ngcomp describe NAME: its parameters, defaults and the whole description")
     return 0
+
+
+LIST_WIDTH = 100
+
+
+def plain_summary(text: str, room: int) -> str:
+    """``text``'s first sentence as plain text (no reStructuredText roles or backticks), cut at a word to fit
+    ``room`` characters with "…" where it is longer."""
+    import re
+    text = re.sub(r":\w+:`~?([^`]*)`", r"\1", text).replace("``", "").replace("`", "")
+    text = " ".join(re.split(r"(?<=\.)\s", " ".join(text.split()), maxsplit=1)[:1])
+    if len(text) <= room:
+        return text
+    cut = text[:max(room - 1, 1)]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(",;:") + "…"
 
 
 def _describe(args) -> int:

@@ -18,7 +18,7 @@ def _run(*args, script: str | None = None) -> subprocess.CompletedProcess:
 
 
 def _listed(stdout: str) -> list[str]:
-    return [line.split()[0] for line in stdout.splitlines() if line.strip()]
+    return [line.split()[0] for line in stdout.splitlines() if line.strip() and not line.startswith("gcomp describe")]
 
 
 def test_main_list_prints_every_available_name(capsys):
@@ -28,6 +28,25 @@ def test_main_list_prints_every_available_name(capsys):
     for name in gcomp.available():
         line = next(l for l in out.splitlines() if l.split()[0] == name)
         assert (gcomp.create(name).collective or "chosen per bucket") in line
+
+
+def test_list_is_plain_text_within_100_columns(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 100 and "`" not in out
+    assert len(out.splitlines()) == len(gcomp.available()) + 2  # and the line naming gcomp describe
+    hierarchical = next(line for line in out.splitlines() if line.startswith("hierarchical "))
+    assert 'the inner method ("topk:ratio=0.05"' in hierarchical and hierarchical.endswith("…")
+
+
+@pytest.mark.parametrize("text, room, expected", [
+    ("Uses ``x`` and :class:`gcomp.Method`. Then more.", 80, "Uses x and gcomp.Method."),
+    ("one two three four", 12, "one two…"),
+    ("short", 10, "short"),
+])
+def test_plain_summary_drops_markup_and_cuts_at_a_word(text, room, expected):
+    from gcomp.cli import plain_summary
+    assert plain_summary(text, room) == expected
 
 
 def test_python_m_gcomp_list():

@@ -78,7 +78,7 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def files_line(out, paths) -> str:
-    """Where a command wrote its files: the folder's full path, then their names, wrapped within 100 columns."""
-    names = ", ".join(Path(p).name for p in paths)
-    return "\n".join(textwrap.wrap(f"written to {Path(out).resolve()}: {names}", 100, break_on_hyphens=False,
-                                    break_long_words=False, subsequent_indent="  "))
+    """Where a command wrote its files: the folder's full path on a line, then their names, wrapped within 100
+    columns."""
+    names = textwrap.wrap(", ".join(Path(p).name for p in paths), 98, break_on_hyphens=False)
+    return "\n".join([f"written to {Path(out).resolve()}:"] + [f"  {line}" for line in names])

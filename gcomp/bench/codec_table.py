@@ -258,11 +258,13 @@ def markdown(rows: list[dict], full: bool = False) -> str:
                 + " | " + " | ".join(f"reduce GB/s, {s:g} MB" for s in shown) + " |")
     else:
         head = (f"| method | bits/entry | floor | peak extra | largest alloc | {host}codec/copy | reduce/copy "
-                "| reduce GB/s |")
+                "| GB/s |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
 
     def cell(row, key, digits=".2f"):
-        return "error" if row is None or "error" in row else f"{row[key]:{digits}}"
+        if row is None or "error" in row:
+            return "error"
+        return "n/a" if math.isnan(row[key]) else f"{row[key]:{digits}}"
 
     for name in dict.fromkeys(r["method"] for r in rows):
         mine = {r["size_mb"]: r for r in rows if r["method"] == name}
@@ -274,6 +276,6 @@ def markdown(rows: list[dict], full: bool = False) -> str:
                      + " | " + " | ".join(cell(mine.get(s), "reduce_gbps", ".1f") for s in shown) + " |")
     copies = {r["size_mb"]: r["copy_gbps"] for r in rows if "error" not in r}
     if not full:
-        lines.append(f"\nat {last} per bucket; memory as a fraction of the bucket; times as multiples of a copy")
+        lines.append(f"\nat {last} per bucket: memory in buckets, times in copies, GB/s of the reduction")
     lines.append("copy: " + ", ".join(f"{copies[s]:.1f} GB/s at {s:g} MB" for s in sizes if s in copies))
     return "\n".join(lines)
