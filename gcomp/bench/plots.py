@@ -121,6 +121,7 @@ def tta_axes(plt, entries, with_ratio):
             ax.annotate("not reached" if e.get("target_accuracy") is not None else "no target", (i, 1.0),
                         ha="center", va="bottom", rotation=90, fontsize=7, color="firebrick")
     ax.axhline(1.0, color="grey", linestyle=":")
+    ax.set_xlim(-0.5, len(entries) - 0.5)  # a run with no bar at the end still shows, with its label
     seeds = max((e.get("seeds", 1) for e in entries), default=1)
     ax.set(ylabel="time-to-accuracy speedup over all-reduce",
            title="time to accuracy (1: all-reduce)" + (f", median and range of {seeds} seeds" if seeds > 1 else ""))

@@ -24,7 +24,8 @@ PROFILER_NOISE = re.compile(r"^(USDT|STAGE):.*profiler|CPUAllocator\.cpp.*before
 
 @contextlib.contextmanager
 def once_per_cause():
-    """Show each warning (category and message text) once within the block, however often it is raised."""
+    """Show each warning (category and message text) once within the block, however often it is raised, on
+    one line (without the line of source that raised it)."""
     shown: set[tuple[type, str]] = set()
     previous = warnings.showwarning
 
@@ -33,7 +34,7 @@ def once_per_cause():
         if key in shown:
             return
         shown.add(key)
-        previous(message, category, filename, lineno, file, line)
+        previous(message, category, filename, lineno, file, "" if line is None else line)  # no source line
 
     warnings.showwarning = show
     try:

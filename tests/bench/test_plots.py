@@ -41,3 +41,4 @@ def test_time_to_accuracy_bars_carry_their_values():
     texts = [t.get_text() for t in ax.texts]
     plt.close(fig)
     assert "1.00x" in texts and "2.35x" in texts and "not reached" in texts
+    assert ax.get_xlim() == (-0.5, 2.5)  # the last method, with no bar, is still in view
