@@ -229,3 +229,23 @@ def test_bench_help_shows_the_default_sizes(capsys):
         main(["bench", "--help"])
     assert exit_.value.code == 0
     assert "bucket sizes in MB (default: 1 4 16 64)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_bench_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split()).split("options:", 1)[1]  # argparse wraps the help
+    for option, default in (("--workers WORKERS", "default: 4"), ("--steps STEPS", "(default: 240)"),
+                            ("--bandwidth BANDWIDTH", "(default: 100mbit)"), ("--lr LR", "default: 0.004"),
+                            ("--target-accuracy TARGET_ACCURACY", "default: 99% of all-reduce's best accuracy"),
+                            ("--sizes-mb SIZES_MB [SIZES_MB ...]", "(default: 1 4 16 64)")):
+        assert default in text.split(option, 1)[1][:420], option  # its help, wrapped, runs to 400 characters
+    assert "torch:allreduce, torch:fp16, torch:powersgd)" in text  # --method: the default comparison
+
+
+def test_simulate_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: identity)" in text and "node size for hierarchical methods (default: 1)" in text
+    assert "--projection" in text
