@@ -177,7 +177,9 @@ def test_codec_table_reports_ratios_to_a_copy_and_bits_per_entry(tmp_path, capsy
     assert memory["topk"][1] > 0  # its decode writes a fresh dense tensor
     printed = capsys.readouterr().out
     assert "| topk | 0.64 | 2.02 |" in printed and (out / "codec.csv").exists()
-    assert "peak extra / bucket, 0.25 MB" in printed and "reduce GB/s, 0.0625 MB" in printed
+    assert "| peak extra | largest alloc | codec/copy | reduce/copy | GB/s |" in printed  # the largest size
+    full = (out / "codec.md").read_text()
+    assert "peak extra / bucket, 0.25 MB" in full and "reduce GB/s, 0.0625 MB" in full
     assert "copy: " in printed and "GB/s at 0.25 MB" in printed
     assert main(["bench", "--codec", "--method", "topkk", "--out", str(out)]) == 2
 
