@@ -15,8 +15,25 @@ def _list(args) -> int:
     width = max(map(len, names), default=0)
     column = max(map(len, collectives.values()), default=0)
     for name in names:
-        print(f"{name:<{width}}  {collectives[name]:<{column}}  {gcomp.spec(name).summary}")
+        line = f"{name:<{width}}  {collectives[name]:<{column}}  "
+        print(line + plain_summary(gcomp.spec(name).summary, LIST_WIDTH - len(line)))
+    print("\ngcomp describe NAME: its parameters, defaults and the whole description")
     return 0
+
+
+LIST_WIDTH = 100
+
+
+def plain_summary(text: str, room: int) -> str:
+    """``text``'s first sentence as plain text (no reStructuredText roles or backticks), cut at a word to fit
+    ``room`` characters with "…" where it is longer."""
+    import re
+    text = re.sub(r":\w+:`~?([^`]*)`", r"\1", text).replace("``", "").replace("`", "")
+    text = " ".join(re.split(r"(?<=\.)\s", " ".join(text.split()), maxsplit=1)[:1])
+    if len(text) <= room:
+        return text
+    cut = text[:max(room - 1, 1)]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(",;:") + "…"
 
 
 def _describe(args) -> int:
@@ -32,7 +49,7 @@ def _bench(args) -> int:
     from pathlib import Path
 
     from gcomp.bench import race, report, runner
-    from gcomp.bench.arguments import check_out
+    from gcomp.bench.arguments import check_out, files_line
     from gcomp.bench.failures import WorkersFailed
     if args.codec:
         return _codec(args)
@@ -77,10 +94,10 @@ def _bench(args) -> int:
     if schedule:  # applied only where the links were shaped
         meta.update(schedule=schedule, schedule_applied=network.startswith("shaped"))
     paths = report.write(rows, out, meta, summary)
-    seeds = f", {config.seeds} seeds (median and range)" if config.seeds > 1 else ""
+    seeds = f", {config.seeds} seeds (medians; ranges in summary.md)" if config.seeds > 1 else ""
     aim = "none" if not targets else f"{targets[0]:.4f}" + (f"–{targets[-1]:.4f}" if len(targets) > 1 else "")
-    print(f"\n{config.model} on {config.dataset}, {config.workers} workers, {network}{seeds}; target accuracy "
-          f"{aim}")
+    print(f"\n{config.model} on {config.dataset}, {config.workers} workers{seeds}; target accuracy {aim}\n"
+          f"network: {network}")
     for bandwidth in dict.fromkeys(e["bandwidth"] for e in summary):
         if len(config.bandwidths()) > 1:
             print(f"\n### {bandwidth}")
@@ -89,7 +106,7 @@ def _bench(args) -> int:
     if segments:
         unshaped = "" if meta["schedule_applied"] else " (not applied: the links were unshaped)"
         print(f"\n### step time per segment of the bandwidth schedule{unshaped}\n\n{segments}")
-    print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
+    print(f"\n{files_line(out, paths.values())}")
     for warning in (race.short_race_warning(rows), report.load_warning(rows, config.workers, load)):
         if warning:
             print(warning, file=sys.stderr)
@@ -147,7 +164,7 @@ def _codec(args) -> int:
     from pathlib import Path
 
     from gcomp.bench import codec_table
-    from gcomp.bench.arguments import check_out
+    from gcomp.bench.arguments import check_out, files_line
     methods = [m for item in args.method for m in item.split(";") if m] if args.method else None
     from gcomp.bench.devices import check_device
     from gcomp.bench.methods import parse_method
@@ -176,7 +193,9 @@ def _codec(args) -> int:
         writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
-    print("\n" + codec_table.markdown(rows) + f"\n\ncodec.json, codec.csv: {out}")
+    (out / "codec.md").write_text(codec_table.markdown(rows, full=True) + "\n")
+    print("\n" + codec_table.markdown(rows) + "\n\n"
+          + files_line(out, ["codec.json", "codec.csv", "codec.md (every size)"]))
     failed = [f"{r['method']} ({r['size_mb']:g} MB)" for r in rows if "error" in r]
     if failed:
         print(f"gcomp bench --codec: failed: {', '.join(failed)}; their errors are in codec.json", file=sys.stderr)
@@ -186,10 +205,16 @@ def _codec(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from gcomp.bench.quiet import once_per_cause
+    with once_per_cause():
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["simulate"]:
         from gcomp.bench import simulate
         return simulate.main(argv[1:])
-    from gcomp.bench.arguments import COUNT, POSITIVE, POSITIVE_INT
+    from gcomp.bench.arguments import COUNT, POSITIVE, POSITIVE_INT, show_defaults
     parser = argparse.ArgumentParser(prog="gcomp", description="Gradient compression for PyTorch DDP.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="registered methods, their collective and a one-line summary").set_defaults(run=_list)
@@ -199,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="compare methods under one harness (default: an MLP pre-trained on digits "
                        "0-4, fine-tuned on 5-9, 4 workers, 100mbit)")
     b.add_argument("--method", action="append", metavar="SPEC", help="a method (name or name:key=value,...; "
-                   "torch:allreduce, torch:fp16, torch:powersgd); repeatable; default: the README's comparison")
+                   "torch:allreduce, torch:fp16, torch:powersgd); repeatable")
     b.add_argument("--dataset", help="digits, text, cifar10, cifar100 or synthetic")
     b.add_argument("--model", help="mlp[:W1,W2], resnet18, vgg19, vit or charlm (--overhead: resnet50, "
                    "decoder[:WIDTH,DEPTH] or mlp[:W1,W2])")
@@ -218,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--prune-ratio", dest="prune_ratio", help="pactrain/prunex's pruning ratio; a comma-separated "
                    "list sweeps them (0.1,0.3,0.5,0.7,0.8)")
     b.add_argument("--prune-method", dest="prune_method", help="how pactrain/prunex's runs prune the model first: "
-                   "grasp (the default, as the PacTrain paper), magnitude or random")
+                   "grasp (as the PacTrain paper), magnitude or random")
     b.add_argument("--target-accuracy", type=float, dest="target_accuracy")
     b.add_argument("--data-dir", dest="data_dir", help="where cifar10/cifar100 lie (python-pickle format)")
-    b.add_argument("--cache-dir", dest="cache_dir", help="pre-trained weights cache (default ~/.cache/gcomp)")
+    b.add_argument("--cache-dir", dest="cache_dir", help="pre-trained weights cache")
     b.add_argument("--out", help="results folder (default bench-results/DATE-TIME)")
     b.add_argument("--fsdp", action="store_true", help="the race under FSDP2 (fully_shard) instead of DDP, for the "
                    "methods that support it; torch:allreduce is plain FSDP2 there (default methods: "
@@ -234,12 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--warmup", type=COUNT, help="--overhead: steps before timing (default 5)")
     b.add_argument("--profile-steps", type=POSITIVE_INT, dest="profile_steps",
                    help="--overhead: steps profiled (default 3)")
-    b.add_argument("--device", choices=["cpu", "cuda"], help="where tensors live: cpu (the default) or cuda (one "
+    b.add_argument("--device", choices=["cpu", "cuda"], help="where tensors live: cpu or cuda (one "
                    "GPU per worker, cuda:LOCAL_RANK; --codec: the current GPU, timed with CUDA events)")
-    b.add_argument("--backend", choices=["gloo", "nccl"], help="the workers' process group: gloo (the default) or "
+    b.add_argument("--backend", choices=["gloo", "nccl"], help="the workers' process group: gloo or "
                    "nccl (needs --device cuda and a GPU per worker; no --bandwidth shaping)")
     b.add_argument("--sizes-mb", type=POSITIVE, nargs="+", default=[1, 4, 16, 64], dest="sizes_mb",
                    help="--codec: bucket sizes in MB (default: 1 4 16 64)")
+    show_defaults(b)
     b.set_defaults(run=_bench)
     # listed for --help; its options are the simulate module's own, so main() hands them over unparsed
     sub.add_parser("simulate", add_help=False, help="project a bench run's results.json to 8..1024 workers and "

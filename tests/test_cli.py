@@ -18,7 +18,7 @@ def _run(*args, script: str | None = None) -> subprocess.CompletedProcess:
 
 
 def _listed(stdout: str) -> list[str]:
-    return [line.split()[0] for line in stdout.splitlines() if line.strip()]
+    return [line.split()[0] for line in stdout.splitlines() if line.strip() and not line.startswith("gcomp describe")]
 
 
 def test_main_list_prints_every_available_name(capsys):
@@ -28,6 +28,25 @@ def test_main_list_prints_every_available_name(capsys):
     for name in gcomp.available():
         line = next(l for l in out.splitlines() if l.split()[0] == name)
         assert (gcomp.create(name).collective or "chosen per bucket") in line
+
+
+def test_list_is_plain_text_within_100_columns(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 100 and "`" not in out
+    assert len(out.splitlines()) == len(gcomp.available()) + 2  # and the line naming gcomp describe
+    hierarchical = next(line for line in out.splitlines() if line.startswith("hierarchical "))
+    assert 'the inner method ("topk:ratio=0.05"' in hierarchical and hierarchical.endswith("…")
+
+
+@pytest.mark.parametrize("text, room, expected", [
+    ("Uses ``x`` and :class:`gcomp.Method`. Then more.", 80, "Uses x and gcomp.Method."),
+    ("one two three four", 12, "one two…"),
+    ("short", 10, "short"),
+])
+def test_plain_summary_drops_markup_and_cuts_at_a_word(text, room, expected):
+    from gcomp.cli import plain_summary
+    assert plain_summary(text, room) == expected
 
 
 def test_python_m_gcomp_list():
@@ -210,3 +229,23 @@ def test_bench_help_shows_the_default_sizes(capsys):
         main(["bench", "--help"])
     assert exit_.value.code == 0
     assert "bucket sizes in MB (default: 1 4 16 64)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_bench_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split()).split("options:", 1)[1]  # argparse wraps the help
+    for option, default in (("--workers WORKERS", "default: 4"), ("--steps STEPS", "(default: 240)"),
+                            ("--bandwidth BANDWIDTH", "(default: 100mbit)"), ("--lr LR", "default: 0.004"),
+                            ("--target-accuracy TARGET_ACCURACY", "default: 99% of all-reduce's best accuracy"),
+                            ("--sizes-mb SIZES_MB [SIZES_MB ...]", "(default: 1 4 16 64)")):
+        assert default in text.split(option, 1)[1][:420], option  # its help, wrapped, runs to 400 characters
+    assert "torch:allreduce, torch:fp16, torch:powersgd)" in text  # --method: the default comparison
+
+
+def test_simulate_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: identity)" in text and "node size for hierarchical methods (default: 1)" in text
+    assert "--projection" in text

@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from gcomp.bench.quiet import held_back_profiler_lines
+
 
 @dataclass
 class Allocations:
@@ -54,7 +56,7 @@ def measure_allocations(fn: Callable[[], object], device: torch.device | str = "
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with held_back_profiler_lines(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
         if cuda:
             torch.cuda.synchronize(device)

@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Callable
 
@@ -58,3 +59,26 @@ def check_out(path: Path, flag: str = "--out") -> None:
         raise ValueError(f"{flag} {path}: cannot write there: creating a file in {existing} fails "
                          f"({err.strerror or err}); name a folder this user may write") from None
 
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option of ``gcomp bench`` that a ``BenchConfig`` field backs says its default in --help."""
+    from dataclasses import fields
+
+    from gcomp.bench import runner
+    config = runner.BenchConfig()
+    shown = {f.name: getattr(config, f.name) for f in fields(config)}
+    shown.update(method=", ".join(config.methods), target_accuracy="99% of all-reduce's best accuracy",
+                 cache_dir="~/.cache/gcomp")
+    for action in parser._actions:
+        if shown.get(action.dest) is not None and "default" not in (action.help or ""):
+            value = shown[action.dest]
+            text = f"default: {value}" if not isinstance(value, list) else f"default: {', '.join(map(str, value))}"
+            text = text.replace("%", "%%")  # argparse expands help with %-formatting
+            action.help = f"{action.help} ({text})" if action.help else text
+
+
+def files_line(out, paths) -> str:
+    """Where a command wrote its files: the folder's full path on a line, then their names, wrapped within 100
+    columns."""
+    names = textwrap.wrap(", ".join(Path(p).name for p in paths), 98, break_on_hyphens=False)
+    return "\n".join([f"written to {Path(out).resolve()}:"] + [f"  {line}" for line in names])

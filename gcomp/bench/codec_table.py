@@ -43,6 +43,7 @@ A method that fails leaves a row with its ``error`` (and the others go on): the 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from datetime import timedelta
 
@@ -55,6 +56,7 @@ import gcomp
 from gcomp.bench.allocations import measure_allocations
 from gcomp.bench import codec_hooks
 from gcomp.bench.codec_hooks import TorchHookState
+from gcomp.bench.quiet import Progress
 from gcomp.bench.runner import free_port
 from gcomp.bench.timing import CudaEventClock, median_times
 from gcomp.registry import parse_spec
@@ -209,30 +211,32 @@ def default_rows() -> list[str]:
     return gcomp.available() + list(EXTRA_ROWS)
 
 
-def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, log=print,
+def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, log=None,
         device: str = "cpu") -> list[dict]:
+    """One row per method and size. Progress is a bar on a terminal; ``log`` (stderr by default) gets one line
+    per failed method and nothing else."""
+    log = log or (lambda text: print(text, file=sys.stderr))
     device = table_device(device)
     started = one_rank_group(device)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    names = methods or default_rows()
+    bar = Progress(len(sizes_mb) * len(names), "codec")
     try:
         rows = []
         for size in sizes_mb:
             numel = bucket_numel(size)
-            for name in methods or default_rows():
+            for name in names:
+                bar.update(f"{name}, {size:g} MB")
                 try:
                     rows.append(measure(name, numel, repeats, torch.Generator().manual_seed(seed), device))
                 except Exception as err:  # noqa: BLE001 -- one method's failure is its row; the others go on
                     rows.append({"method": name, "device": device.type, "size_mb": numel * 4 / 2**20,
                                  "error": f"{type(err).__name__}: {err}"})
                     log(f"  {name}, {rows[-1]['size_mb']:g} MB: FAILED: {rows[-1]['error']}")
-                    continue
-                r = rows[-1]
-                log(f"  {name}, {r['size_mb']:g} MB: encode+decode {r['codec_ratio']:.2f}x copy, "
-                    f"reduce {r['reduce_ratio']:.2f}x copy ({r['reduce_gbps']:.1f} GB/s), peak extra memory "
-                    f"{r['peak_extra_frac']:.2f} bucket")
         return rows
     finally:
+        bar.close()
         torch.set_num_threads(threads)
         if started:
             codec_hooks.quiesce()
@@ -240,27 +244,38 @@ def run(sizes_mb=(1, 4, 16, 64), methods=None, repeats: int = 3, seed: int = 0, 
             codec_hooks.release()
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], full: bool = False) -> str:
+    """The table at the largest size, within 100 columns (every size is in codec.csv); ``full``: every size's
+    columns, as wide as that takes."""
     sizes = sorted({r["size_mb"] for r in rows})
+    shown = sizes if full else sizes[-1:]
     last = f"{sizes[-1]:g} MB"
     host = "host " if any(r.get("codec_clock") == "host" for r in rows) else ""
-    head = (f"| method | bits per entry | floor | peak extra / bucket, {last} | largest allocation / bucket, {last} | "
-            + " | ".join(f"{host}encode+decode / copy, {s:g} MB" for s in sizes)
-            + " | " + " | ".join(f"reduce / copy, {s:g} MB" for s in sizes)
-            + " | " + " | ".join(f"reduce GB/s, {s:g} MB" for s in sizes) + " |")
+    if full:
+        head = (f"| method | bits per entry | floor | peak extra / bucket, {last} | largest allocation / bucket, "
+                f"{last} | " + " | ".join(f"{host}encode+decode / copy, {s:g} MB" for s in shown)
+                + " | " + " | ".join(f"reduce / copy, {s:g} MB" for s in shown)
+                + " | " + " | ".join(f"reduce GB/s, {s:g} MB" for s in shown) + " |")
+    else:
+        head = (f"| method | bits/entry | floor | peak extra | largest alloc | {host}codec/copy | reduce/copy "
+                "| GB/s |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
 
     def cell(row, key, digits=".2f"):
-        return "error" if row is None or "error" in row else f"{row[key]:{digits}}"
+        if row is None or "error" in row:
+            return "error"
+        return "n/a" if math.isnan(row[key]) else f"{row[key]:{digits}}"
 
     for name in dict.fromkeys(r["method"] for r in rows):
         mine = {r["size_mb"]: r for r in rows if r["method"] == name}
         big = mine.get(sizes[-1])
         lines.append(f"| {name} | {cell(big, 'bits_per_entry', '.3g')} | {cell(big, 'floor')} | "
                      f"{cell(big, 'peak_extra_frac')} | {cell(big, 'largest_alloc_frac')} | "
-                     + " | ".join(cell(mine.get(s), "codec_ratio") for s in sizes)
-                     + " | " + " | ".join(cell(mine.get(s), "reduce_ratio") for s in sizes)
-                     + " | " + " | ".join(cell(mine.get(s), "reduce_gbps", ".1f") for s in sizes) + " |")
+                     + " | ".join(cell(mine.get(s), "codec_ratio") for s in shown)
+                     + " | " + " | ".join(cell(mine.get(s), "reduce_ratio") for s in shown)
+                     + " | " + " | ".join(cell(mine.get(s), "reduce_gbps", ".1f") for s in shown) + " |")
     copies = {r["size_mb"]: r["copy_gbps"] for r in rows if "error" not in r}
-    lines.append("\ncopy: " + ", ".join(f"{copies[s]:.1f} GB/s at {s:g} MB" for s in sizes if s in copies))
+    if not full:
+        lines.append(f"\nat {last} per bucket: memory in buckets, times in copies, GB/s of the reduction")
+    lines.append("copy: " + ", ".join(f"{copies[s]:.1f} GB/s at {s:g} MB" for s in sizes if s in copies))
     return "\n".join(lines)

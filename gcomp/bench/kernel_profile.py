@@ -17,6 +17,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from gcomp.bench import codec_table
+from gcomp.bench.quiet import held_back_profiler_lines
 from gcomp.registry import available
 
 
@@ -33,7 +34,7 @@ def profile_method(name: str, numel: int, repeats: int, device: str, top: int = 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync()
-    with profile(activities=activities) as prof:
+    with held_back_profiler_lines(), profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(repeats):
             reduce()

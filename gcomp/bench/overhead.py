@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import gcomp
 from gcomp.bench import overhead_models as models
 from gcomp.bench.methods import TorchHook, parse_method
+from gcomp.bench.quiet import held_back_profiler_lines
 from gcomp.bench.runner import free_port
 
 PLAIN = "ddp"
@@ -239,7 +240,7 @@ def _timed(step, device: torch.device) -> float:
 def _profiled(step, device: torch.device, steps: int) -> tuple[float, float]:
     """Host and device milliseconds per step inside the hook's calls (``HOOK_RANGE``), from the profiler."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with held_back_profiler_lines(), profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         if device.type == "cuda":

@@ -2,10 +2,13 @@
 the step's breakdown for the first bandwidth, one plot per sweep (bandwidth, prune ratio), and for a bandwidth
 schedule each method's step time and cumulative time, step by step.
 
-A run that never reached the target gets no bar and a "not reached" label, never a bar of height 0.
+A run that never reached the target gets no bar and a "not reached" label, never a bar of height 0; the others
+carry their value. The accuracy plot ends shortly after the last run reached the target (``accuracy_xlim``;
+results.json keeps the whole curves), and PyTorch's hooks are dashed.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 
@@ -47,17 +50,45 @@ def _label(entry: dict, with_ratio: bool) -> str:
     return entry["method"] + (f" @{ratio:g}" if with_ratio and ratio is not None else "")
 
 
-def _accuracy(plt, runs, with_ratio, out):
+X_MARGIN = 1.15  # the accuracy plot ends this far past the last run's time to the target
+
+
+def accuracy_xlim(runs: list[dict], margin: float = X_MARGIN) -> float | None:
+    """Where the accuracy plot's time axis ends: ``margin`` times the latest time to the target among the runs
+    that reached it, so that the race, not a slow run's tail, fills the plot (results.json keeps the whole
+    curves); None (the whole curves) when no run reached it, or when that would cut no curve."""
+    times = [r["time_to_target_s"] for r in runs if r.get("time_to_target_s") is not None]
+    ends = [r["history"][-1]["train_s"] for r in runs if r.get("history")]
+    if not times or not ends:
+        return None
+    limit = margin * max(times)
+    return limit if limit < max(ends) else None
+
+
+def line_style(method: str) -> str:
+    """PyTorch's own hooks (``torch:*``) dashed, gcomp's methods solid: where both overlap, both show."""
+    return "--" if method.startswith("torch:") else "-"
+
+
+def accuracy_axes(plt, runs, with_ratio):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
         ax.plot([h["train_s"] for h in r["history"]], [h["accuracy"] for h in r["history"]], marker=".",
-                label=_label(r, with_ratio))
+                linestyle=line_style(r["method"]), label=_label(r, with_ratio))
     if runs and runs[0].get("target_accuracy"):
         ax.axhline(runs[0]["target_accuracy"], color="grey", linestyle=":", label="target")
     seed = runs[0].get("seed") if runs else None
-    ax.set(xlabel="training time (s)", ylabel="test accuracy",
-           title="accuracy against wall time" + (f" (seed {seed})" if seed is not None else ""))
+    limit = accuracy_xlim(runs)
+    if limit is not None:
+        ax.set_xlim(0, limit)
+    ax.set(xlabel="training time (s)" + (" (cut after the last run reached the target)" if limit else ""),
+           ylabel="test accuracy", title="accuracy against wall time" + (f" (seed {seed})" if seed is not None else ""))
     ax.legend(fontsize=7)
+    return fig, ax
+
+
+def _accuracy(plt, runs, with_ratio, out):
+    fig, _ = accuracy_axes(plt, runs, with_ratio)
     return _save(fig, out / "accuracy_vs_time.png", plt)
 
 
@@ -79,20 +110,27 @@ def _errors(entries, key):
     return [low, high]
 
 
-def _tta(plt, entries, with_ratio, out):
+def tta_axes(plt, entries, with_ratio):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = [_label(e, with_ratio) for e in entries]
     heights = [e["tta_speedup"] if e.get("tta_speedup") is not None else float("nan") for e in entries]
-    ax.bar(names, heights, yerr=_errors(entries, "tta_speedup"), capsize=3)  # NaN: no bar, the label says why
+    bars = ax.bar(names, heights, yerr=_errors(entries, "tta_speedup"), capsize=3)  # NaN: no bar, the label says why
+    ax.bar_label(bars, labels=["" if math.isnan(h) else f"{h:.2f}x" for h in heights], fontsize=7, padding=2)
     for i, e in enumerate(entries):
         if e.get("tta_speedup") is None:
             ax.annotate("not reached" if e.get("target_accuracy") is not None else "no target", (i, 1.0),
                         ha="center", va="bottom", rotation=90, fontsize=7, color="firebrick")
     ax.axhline(1.0, color="grey", linestyle=":")
+    ax.set_xlim(-0.5, len(entries) - 0.5)  # a run with no bar at the end still shows, with its label
     seeds = max((e.get("seeds", 1) for e in entries), default=1)
     ax.set(ylabel="time-to-accuracy speedup over all-reduce",
            title="time to accuracy (1: all-reduce)" + (f", median and range of {seeds} seeds" if seeds > 1 else ""))
     ax.tick_params(axis="x", rotation=45, labelsize=7)
+    return fig, ax
+
+
+def _tta(plt, entries, with_ratio, out):
+    fig, _ = tta_axes(plt, entries, with_ratio)
     return _save(fig, out / "time_to_accuracy.png", plt)
 
 

@@ -63,30 +63,47 @@ def _range_end(row: dict, key: str, value: float, spec: str, scale: float) -> st
     return "not reached" if never else format(scale * value, spec)
 
 
-def markdown(rows: list[dict]) -> str:
-    """The table of runs, or of a summary's entries (``gcomp.bench.race.summarise``): medians with their
-    range over seeds, and the verdict columns where there are several seeds. A method that prunes carries its
-    ratio where the rows hold several."""
+def markdown(rows: list[dict], full: bool = False) -> str:
+    """The table of runs, or of a summary's entries (``gcomp.bench.race.summarise``). By default six columns
+    within 100: medians, and where there are several seeds the verdict against all-reduce, which reads their
+    ranges. ``full`` (summary.md): each figure's range over seeds, the step's breakdown, bytes, steps to target
+    and the verdict against the best PyTorch hook too. A method that prunes carries its ratio where the rows
+    hold several."""
     verdicts = any(r.get("vs_allreduce") or r.get("vs_best_torch_hook") for r in rows)
     ratios = {r.get("prune_ratio") for r in rows if r.get("prune_ratio") is not None}
-    head = ("| method | step ms | compute | encode | comm | decode | bytes/step | compression | final acc "
-            "| steps to target | time to target s | TTA speedup | step speedup |")
+    if full:
+        head = ("| method | step ms | compute | encode | comm | decode | bytes/step | compression | final acc "
+                "| steps to target | time to target s | TTA speedup | step speedup |")
+    else:
+        head = "| method | step ms | compression | final acc | time to target s | TTA speedup |"
     if verdicts:
         best = next((r["best_torch_hook"] for r in rows if r.get("best_torch_hook")), None)
-        head += f" TTA vs all-reduce | TTA vs best PyTorch hook ({best}) |"
+        head += f" TTA vs all-reduce | TTA vs best PyTorch hook ({best}) |" if full else " vs all-reduce |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         name = r["method"] + (f" @{r['prune_ratio']:g}" if len(ratios) > 1 and r.get("prune_ratio") is not None
                               else "")
-        line = (f"| {name}{' (one bucket)' if r.get('one_bucket') else ''} | {_cell(r, 'step_s', '.1f', 1000)} "
-                f"| {_fmt(_ms(r, 'compute_s_per_step'), '.1f')} | {_fmt(_ms(r, 'encode_s_per_step'), '.1f')} "
-                f"| {_fmt(_ms(r, 'comm_s_per_step'), '.1f')} | {_fmt(_ms(r, 'decode_s_per_step'), '.1f')} "
-                f"| {_cell(r, 'bytes_sent_per_step', ',.0f')} | {_fmt(r.get('compression'), '.2f')}x "
-                f"| {_cell(r, 'final_accuracy', '.4f')} | {_cell(r, 'steps_to_target', '.0f', reached=True)} "
-                f"| {_cell(r, 'time_to_target_s', '.2f', reached=True)} "
-                f"| {_cell(r, 'tta_speedup', '.2f', reached=True)} | {_fmt(r.get('step_speedup'), '.2f')} |")
+        name += " (one bucket)" if r.get("one_bucket") else ""
+        compression = f"{_fmt(r.get('compression'), '.2f')}x"
+        if full:
+            step, accuracy = _cell(r, "step_s", ".1f", 1000), _cell(r, "final_accuracy", ".4f")
+            target = _cell(r, "time_to_target_s", ".2f", reached=True)
+            speedup = _cell(r, "tta_speedup", ".2f", reached=True)
+        else:  # medians only (the verdict column reads the ranges), so that several seeds fit 100 columns
+            step, accuracy = _fmt(_ms(r, "step_s"), ".1f"), _fmt(r.get("final_accuracy"), ".4f")
+            target = _reached(r, r.get("time_to_target_s"), ".2f")
+            speedup = _reached(r, r.get("tta_speedup"), ".2f")
+        if full:
+            line = (f"| {name} | {step} | {_fmt(_ms(r, 'compute_s_per_step'), '.1f')} "
+                    f"| {_fmt(_ms(r, 'encode_s_per_step'), '.1f')} | {_fmt(_ms(r, 'comm_s_per_step'), '.1f')} "
+                    f"| {_fmt(_ms(r, 'decode_s_per_step'), '.1f')} | {_cell(r, 'bytes_sent_per_step', ',.0f')} "
+                    f"| {compression} | {accuracy} | {_cell(r, 'steps_to_target', '.0f', reached=True)} "
+                    f"| {target} | {speedup} | {_fmt(r.get('step_speedup'), '.2f')} |")
+        else:
+            line = f"| {name} | {step} | {compression} | {accuracy} | {target} | {speedup} |"
         if verdicts:
-            line += f" {r.get('vs_allreduce') or '—'} | {r.get('vs_best_torch_hook') or '—'} |"
+            line += (f" {r.get('vs_allreduce') or '—'} | {r.get('vs_best_torch_hook') or '—'} |" if full
+                     else f" {r.get('vs_allreduce') or '—'} |")
         lines.append(line)
     return "\n".join(lines)
 
@@ -135,10 +152,10 @@ def links(rows: list[dict]) -> list[dict]:
 
 def write(rows: list[dict], out: Path, meta: dict, summary: list[dict] | None = None) -> dict[str, Path]:
     """results.json (meta, with the probed ``links`` beside the ``network``; every run and the summary),
-    results.csv (the runs), and the plots where matplotlib is installed."""
+    results.csv (the runs), summary.md (the full table of the summary, every bandwidth), and the plots where matplotlib is installed."""
     from gcomp.bench import plots
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "csv": out / "results.csv"}
+    paths = {"json": out / "results.json", "csv": out / "results.csv", "table": out / "summary.md"}
     body = {"meta": {**meta, "links": links(rows)}, "runs": rows}
     if summary is not None:
         body["summary"] = summary
@@ -147,5 +164,6 @@ def write(rows: list[dict], out: Path, meta: dict, summary: list[dict] | None = 
         writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+    paths["table"].write_text(markdown(summary if summary is not None else rows, full=True) + "\n")
     paths.update(plots.all_plots(rows, summary if summary is not None else rows, out))
     return paths

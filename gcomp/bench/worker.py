@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -37,6 +38,7 @@ import gcomp
 from gcomp.bench.devices import synchronize, worker_device
 from gcomp.bench.failures import recorded
 from gcomp.bench.methods import BenchMethod, TorchHook, parse_method
+from gcomp.bench.quiet import Progress, on_terminal, once_per_cause
 from gcomp.bench.rate_control import NoSwitch, RateSwitch, worker_switch
 from gcomp.bench.rate_schedule import segment_times
 from gcomp.bench.straggler import ReadyClock, wait_for_peers
@@ -111,12 +113,12 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
     steps, kept = config["steps"], kept_fraction(model)
     times, losses, counters, history, clock = [], [], [], [], 0.0
     eval_every = config["eval_every"]
-    bar = progress(steps, method.label, rank == 0 and config.get("verbose", True))
+    bar = Progress(steps, method.label, on_terminal() and rank == 0 and config.get("verbose", True))
     for step in range(steps):
         x, y = next(stream)
         rate = switch.before_step(step)  # outside the step's time, as evaluations
         if rate is not None:
-            getattr(bar, "write", log)(f"  {method.label}: links at {rate} from step {step}")
+            log(f"  {method.label}: links at {rate} from step {step}")
         synchronize(device)  # a host clock times GPU work only once the device has caught up, at both ends
         start = time.perf_counter()
         loss = loss_fn(ddp(x), y)
@@ -129,14 +131,10 @@ def run_method(method: BenchMethod, config: dict, data: Data, pretrained: dict |
         times.append(elapsed)
         losses.append(loss.detach())
         counters.append({k: stats[k] for k in COUNTERS + LAUNCHED if k in stats})
-        bar.update()
         if (rank == 0 or fsdp) and ((step + 1) % eval_every == 0 or step + 1 == steps):
             # a sharded model's forward all-gathers its parameters: every rank evaluates with rank 0
             history.append({"step": step + 1, "train_s": clock, "accuracy": accuracy(model, data.test)})
-        if rank == 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            ms = 1000 * statistics.mean(times[-eval_every:])
-            getattr(bar, "write", log)(f"  {method.label}: step {step + 1}/{steps}  {ms:.1f} ms/step  "
-                                       f"test accuracy {history[-1]['accuracy']:.4f}")
+        bar.update(f"accuracy {history[-1]['accuracy']:.3f}" if history else "")
     bar.close()
     compute = compute_time(ddp, opt, stream, device)
     wait = wait_for_peers(ready, steps // 2)  # over the steady half, as summarise's figures
@@ -170,25 +168,6 @@ def no_sync(model):
         return model.no_sync()
     from gcomp.bench import fsdp
     return fsdp.no_sync(model)
-
-
-class _NoBar:
-    def update(self):
-        pass
-
-    def close(self):
-        pass
-
-
-def progress(steps: int, label: str, shown: bool):
-    """A progress bar on rank 0's terminal (tqdm; none when the output is not a terminal or tqdm is absent)."""
-    if not shown:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=steps, desc=label, unit="step", leave=False, disable=None, dynamic_ncols=True)
 
 
 def compute_time(ddp, opt, stream, device: torch.device = torch.device("cpu")) -> float:
@@ -253,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(config.get("threads", 1))
     rank = dist.get_rank()
     log = (lambda text: print(text, flush=True)) if rank == 0 and config.get("verbose", True) else (lambda text: None)
+    if rank > 0:  # every rank runs the same code on the same settings: rank 0's warnings speak for all
+        warnings.simplefilter("ignore")
     try:
         link = probe_link(device=device)  # the path's alpha and beta, as this run's collectives see it
         data = on_device(load_data(config["dataset"], data_dir=config.get("data_dir"), seed=config["split_seed"]),
@@ -266,12 +247,14 @@ def main(argv: list[str] | None = None) -> int:
             if path and path not in weights:
                 weights[path] = torch.load(path, weights_only=True)
             method = parse_method(text)
+            load_start = os.getloadavg()[0]
+            row = run_method(method, {**config, **job}, data, weights.get(path), log, device, switch)
             tags = [f"seed {seed}"] if len(config["pretrained"]) > 1 else []
             if method.prunes:
                 tags.append(f"prune ratio {job['prune_ratio']}")
-            log(f"== {text}" + (f"  ({', '.join(tags)})" if tags else ""))
-            load_start = os.getloadavg()[0]
-            row = run_method(method, {**config, **job}, data, weights.get(path), log, device, switch)
+            accuracy_text = "—" if row["final_accuracy"] is None else f"{row['final_accuracy']:.4f}"
+            log(f"  {text}" + (f" ({', '.join(tags)})" if tags else "") + f": {row['steps']} steps, "
+                f"{1000 * row['step_s']:.1f} ms/step, test accuracy {accuracy_text}")  # one line per run
             row["device"], row["backend"] = device.type, config.get("backend", "gloo")
             row["link"] = link
             row["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}  # 1 minute, this machine
@@ -295,4 +278,6 @@ def _exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit_now(recorded(main))  # an error is written for the parent's message, then raised
+    with once_per_cause():
+        code = recorded(main)  # an error is written for the parent's message, then raised
+    _exit_now(code)

@@ -74,7 +74,7 @@ def test_time_to_target_and_speedups_by_hand():
     assert [r["steps_to_target"] for r in rows] == [20, 10, None]
     assert rows[1]["tta_speedup"] == 4.0 and rows[2]["tta_speedup"] is None
     assert rows[1]["step_speedup"] == 2.0 and rows[0]["compression"] == 4.0
-    table = {line.split("|")[1].strip(): line for line in report.markdown(rows).splitlines()[2:]}
+    table = {line.split("|")[1].strip(): line for line in report.markdown(rows, full=True).splitlines()[2:]}
     assert table["topk"].count("not reached") == 3, table["topk"]  # steps and time to target, its speedup
     assert "not reached" not in table["pactrain"] and "| 10 | 2.50 | 4.00 |" in table["pactrain"]
 
@@ -83,7 +83,8 @@ def test_without_a_target_nothing_reads_as_not_reached():
     rows = [{"method": "topk", "step_s": 0.1, "bytes_sent_per_step": 1.0, "bytes_dense_per_step": 4.0,
              "history": [{"step": 5, "train_s": 0.5, "accuracy": 0.3}], "final_accuracy": 0.3, **TIMES}]
     assert race.add_derived(rows, None) is None  # no all-reduce run: no target
-    assert "not reached" not in report.markdown(rows) and "| — | — | — |" in report.markdown(rows)
+    assert "not reached" not in report.markdown(rows, full=True) and "| — | — | — |" in report.markdown(rows, full=True)
+    assert "not reached" not in report.markdown(rows) and "| 0.3000 | — | — |" in report.markdown(rows)
 
 
 def test_a_load_above_the_worker_count_is_named_in_one_warning():
@@ -127,8 +128,10 @@ def test_a_brief_unshaped_race_with_two_seeds_and_a_prune_sweep_writes_every_out
         assert [(r["method"], r["seed"]) for r in csv.DictReader(fh)] == [(m, str(s)) for m, s, _ in runs]
     summary = [(e["method"], e["prune_ratio"], e["seeds"]) for e in results["summary"]]
     assert summary == [(m, ratio, 2) for m, ratio in methods]
-    assert "| pactrain:ternary=true @0.6 |" in printed and "TTA vs all-reduce" in printed
-    assert results["meta"]["network"].startswith("unshaped") and "2 seeds (median and range)" in printed
+    assert "| pactrain:ternary=true @0.6 |" in printed and "| vs all-reduce |" in printed
+    assert results["meta"]["network"].startswith("unshaped") and "2 seeds (medians; ranges in summary.md)" in printed
+    assert "TTA vs best PyTorch hook" in (out / "summary.md").read_text()  # the full table
+    assert max(len(line) for line in printed.splitlines() if line.startswith("|")) <= 100
     for load in [results["meta"]["load_average"]] + [r["load_average"] for r in runs.values()]:
         assert set(load) == {"start", "end"} and all(v >= 0 for v in load.values())
     for png in ("accuracy_vs_time.png", "time_to_accuracy.png", "bytes_per_step.png", "time_breakdown.png",
@@ -174,7 +177,9 @@ def test_codec_table_reports_ratios_to_a_copy_and_bits_per_entry(tmp_path, capsy
     assert memory["topk"][1] > 0  # its decode writes a fresh dense tensor
     printed = capsys.readouterr().out
     assert "| topk | 0.64 | 2.02 |" in printed and (out / "codec.csv").exists()
-    assert "peak extra / bucket, 0.25 MB" in printed and "reduce GB/s, 0.0625 MB" in printed
+    assert "| peak extra | largest alloc | codec/copy | reduce/copy | GB/s |" in printed  # the largest size
+    full = (out / "codec.md").read_text()
+    assert "peak extra / bucket, 0.25 MB" in full and "reduce GB/s, 0.0625 MB" in full
     assert "copy: " in printed and "GB/s at 0.25 MB" in printed
     assert main(["bench", "--codec", "--method", "topkk", "--out", str(out)]) == 2
 

@@ -41,9 +41,12 @@ def test_medians_ranges_and_not_reached_over_seeds():
     topk = summary["topk"]
     assert topk["reached"] == 1 and topk["time_to_target_s"] is None and topk["tta_speedup"] is None
     assert topk["tta_per_seed"] == [9.0, None, None]
-    table = {line.split("|")[1].strip(): line for line in report.markdown(list(summary.values())).splitlines()[2:]}
+    table = {line.split("|")[1].strip(): line
+             for line in report.markdown(list(summary.values()), full=True).splitlines()[2:]}
     assert "| not reached (9.00–not reached) |" in table["topk"]
     assert "| 5.00 (4.00–6.00) |" in table["pactrain"]
+    narrow = {line.split("|")[1].strip(): line for line in report.markdown(list(summary.values())).splitlines()[2:]}
+    assert "| 5.00 | 2.40 |" in narrow["pactrain"] and "| not reached | not reached |" in narrow["topk"]
     assert " 0.00" not in table["topk"]  # never a zero that reads as instant
 
 
@@ -79,8 +82,11 @@ def test_verdicts_against_all_reduce_and_the_best_pytorch_hook():
     assert summary["pactrain"]["vs_allreduce"] == "faster" and summary["pactrain"]["vs_best_torch_hook"] == "faster"
     assert summary["fp16"]["vs_allreduce"] == "within spread"  # 9..11 against 10..12: overlapping
     assert summary["torch:fp16"]["vs_best_torch_hook"] is None
-    head = report.markdown(list(summary.values())).splitlines()[0]
+    head = report.markdown(list(summary.values()), full=True).splitlines()[0]
     assert "TTA vs all-reduce" in head and "TTA vs best PyTorch hook (torch:fp16)" in head
+    narrow = report.markdown(list(summary.values())).splitlines()
+    assert narrow[0].endswith("| TTA speedup | vs all-reduce |") and "| faster |" in narrow[2 + 3]  # pactrain
+    assert max(map(len, narrow)) <= 100
 
 
 def test_bandwidths_are_separate_races_and_summaries():

@@ -144,12 +144,44 @@ def test_main_writes_the_projection(tmp_path, capsys):
     assert len(written["model_error"]) == 2  # the two shaped identity runs
     assert {r["method"] for r in written["rows"]} == {"identity", "topk"}
     assert written["settings"]["alpha_s"] == pytest.approx(ALPHA)
-    printed = capsys.readouterr().out
-    assert "| method | collective | workers |" in printed and "Model error" in printed
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "| method | collective | workers |" not in printed  # the projection: only with --projection
+    assert printed.startswith("Model error against the measured runs") and "--projection prints them" in printed
+    files = printed.index(f"written to {out.resolve()}:")
+    assert printed.index("| error % |") < files and "simulate.json, simulate.csv, model_error.csv" in printed[files:]
+    assert "| link Mbit/s |" not in printed and "link Mbit/s" in (out / "model_error.csv").read_text()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "simulate.png").stat().st_size > 0
     else:
-        assert "no simulate.png" in capsys.readouterr().err
+        assert "no simulate.png" in captured.err
+    assert main(["--results", str(results), "--workers", "8", "--bandwidth", "1gbit", "--out", str(out),
+                 "--projection"]) == 0
+    printed = capsys.readouterr().out
+    errors, projection = printed.index("| error % |"), printed.index("| method | workers | bandwidth | step ms |")
+    assert errors < projection < printed.index("written to")
+    assert max(len(line) for line in printed.splitlines() if not line.startswith("written to")) <= 100
+
+
+def test_errors_are_percent_in_both_tables_and_the_plot_dots_a_method_the_model_misses(tmp_path, capsys):
+    results = tmp_path / "results.json"
+    write_results(results, [row("identity", "allreduce", 4, 1e8, 1e6, step_s=0.2203),  # the model: exact
+                            row("topk", "allgather", 4, 1e8, 1e5, step_s=0.5)])  # the model: far below
+    assert main(["--results", str(results), "--workers", "8", "--bandwidth", "1gbit", "--out", str(tmp_path),
+                 "--projection"]) == 0
+    printed = capsys.readouterr().out
+    written = json.loads((tmp_path / "simulate.json").read_text())
+    topk_error = next(e["rel_error"] for e in written["model_error"] if e["method"] == "topk")
+    assert topk_error < -0.15
+    error_line = next(line for line in printed.splitlines() if line.startswith("| topk | 4 |"))
+    projection_line = next(line for line in printed.splitlines() if line.startswith("| topk | 8 |"))
+    percent = f"| {100 * topk_error:+.1f} |"
+    assert error_line.endswith(percent) and projection_line.endswith(percent)  # one unit, the same figure
+    assert "dotted in simulate.png (model error > 15%): topk" in printed
+    pytest.importorskip("matplotlib")
+    (ax,) = plot(written["rows"], tmp_path / "marked.png")
+    styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines()}
+    assert styles == {"identity": "-", "topk (model error > 15%)": ":"}
 
 
 def test_main_writes_next_to_the_results_by_default(tmp_path):
