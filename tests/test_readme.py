@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 FENCE = re.compile(r"^(?:<!-- test: (?P<mark>[^\n]*?) -->\n)?```python\n(?P<code>.*?)^```$", re.M | re.S)
 MARK = re.compile(r"^(?P<how>torchrun 2|python)(?:; ratio > (?P<ratio>[\d.]+))?$")
-RATIO = re.compile(r"(\d+(?:\.\d+)?)x\b")
+RATIO = re.compile(r"(\d+\.\d+)x")  # two ranks' lines may interleave: "2.0xrank 0: 2.0x"
 
 
 def snippets(text: str) -> list[tuple[str, str, str | None]]:
@@ -66,6 +66,7 @@ def test_the_quick_start_is_within_the_first_40_lines_and_shows_compression():
 def test_the_parser_finds_marked_and_unmarked_blocks():
     text = "# A\n<!-- test: python -->\n```python\nprint(1)\n```\n\n**B**\n```python\nx = 2\n```\n"
     assert snippets(text) == [("line 3: A", "print(1)\n", "python"), ("line 8: B", "x = 2\n", None)]
+    assert RATIO.findall("rank 1: 2.0xrank 0: 2.0x\n") == ["2.0", "2.0"]  # two ranks' prints, interleaved
 
 
 @pytest.mark.slow
