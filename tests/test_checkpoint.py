@@ -252,7 +252,7 @@ def test_a_dcp_checkpoint_on_fewer_ranks_says_to_gather(tmp_path):
     for message in run_ranks(2, _dcp_load, str(tmp_path / "dcp")):
         assert "saved at world size 3, this run has 2" in message and "gather_state_dict()" in message, message
         assert "torch.distributed.checkpoint and a file per rank hold each rank's own part" in message, message
-    # on more ranks DCP's planner refuses before gcomp is asked (what the README says it does)
+    # on more ranks DCP's planner refuses before gcomp is asked (what docs/checkpoints-and-faults.md says it does)
     run_ranks(2, _dcp_save, str(tmp_path / "dcp2"))
     assert "gcomp.ranks.rank2" in run_ranks(3, _dcp_load, str(tmp_path / "dcp2"))[2]
 

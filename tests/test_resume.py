@@ -28,7 +28,7 @@ def _results(world: int, names: list[str], configs: dict) -> dict:
 
 def test_the_cases_cover_every_method_with_state():
     """Every registered method that checkpoints something, but auto (a resumed run measures its candidates
-    again, by design: README)."""
+    again, by design: docs/checkpoints-and-faults.md)."""
     assert {"dgc", "powersgd", "pactrain", "prunex", "randomk", "signum", "spardl", "topk", "terngrad"} <= set(CASES)
     assert "auto" not in CASES and "identity" not in CASES
 
@@ -64,7 +64,7 @@ def test_the_saved_layouts_are_those_of_ddps_rebuilt_buckets():
 
 
 def test_a_checkpoint_taken_before_ddps_rebuild_resumes_on_its_first_buckets():
-    """The one case that stays apart, as the README says: a checkpoint saved before the hook saw DDP's rebuilt
+    """The one case that stays apart, as docs/checkpoints-and-faults.md says: a checkpoint saved before the hook saw DDP's rebuilt
     buckets (here after the warm-up's one step, before the first compressed one) records no layout to go back
     to, so the resumed run's first step is on the fresh DDP's one bucket, where randomk draws other positions;
     one that does not depend on the layout (topk on one bucket) still resumes bit-identically."""
