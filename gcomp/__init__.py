@@ -13,6 +13,7 @@ from gcomp.local_state import NotDistributed
 from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.method import Method, MethodUnit
 from gcomp.params import OneOf, Range
+from gcomp.process_exit import end_process
 from gcomp.registry import UnknownMethodError, available, create, describe, register, spec
 
 from gcomp import compressors, packing, pruning  # noqa: E402,F401  (registers the built-in methods)
@@ -21,5 +22,5 @@ __version__ = "0.1.0"
 
 __all__ = ["ALLGATHER", "ALLREDUCE", "BucketInfo", "Communicator", "Compressor", "HIERARCHICAL", "HookState", "Memory",
            "Method", "MethodUnit", "NoMemory", "NotDistributed", "OneOf", "POINT_TO_POINT", "Payload", "Range",
-           "ResidualMemory", "UnknownMethodError", "available", "comm_hook", "create", "describe", "install",
+           "ResidualMemory", "UnknownMethodError", "available", "comm_hook", "create", "describe", "end_process", "install",
            "register", "spec"]

@@ -280,12 +280,9 @@ def run() -> None:
     gcomp's methods, leave gloo's threads finishing their callbacks, which gcomp cannot settle; there CPython (before
     3.14) ends such a thread inside a C++ destructor and the process aborts after its work is done ("terminate
     called ... Resource deadlock avoided": seen in 2 of 5 runs of ``gcomp bench --codec``)."""
-    code = main()
-    from gcomp.collectives import futures
-    futures.settle(timeout=5.0)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from gcomp.process_exit import end_process
+
+    end_process(main())
 
 
 if __name__ == "__main__":

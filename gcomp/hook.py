@@ -267,11 +267,6 @@ class HookState(RunState):
                                     self.group, self.stats)
         return self.method.reduce(buffer, info, self.group, self.stats)
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        if self._dense_rule is not None:  # this run's rule, not the checkpoint's count
-            self.stats["dense_params"] = len(self.dense_names)
-
     def _own_extras(self) -> dict:
         """The bucket layouts of the last step (``gcomp.resume_layouts``), so a resumed run reduces its first
         buckets as they were."""

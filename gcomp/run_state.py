@@ -161,6 +161,8 @@ class RunState:
             self._warn_unused_dense(part)
             self.iteration = state["iteration"]
             self.stats.update({k: part["stats"].get(k, 0) for k in self._stat_keys})  # in place: methods hold it
+            if "dense_params" in self.stats:  # this run's rule (gcomp.dense), not the checkpoint's count
+                self.stats["dense_params"] = len(self.dense_names)
         except Exception as err:  # noqa: BLE001 -- every rank must hear of it before any raises
             error = err
         try:  # one all-gather: every rank loaded the same checkpoint, and every rank's load went through

@@ -16,5 +16,6 @@ def test_exit_now_flushes_and_keeps_the_code():
 
 def test_the_worker_module_ends_through_it():
     source = open(sys.modules["gcomp"].__path__[0] + "/bench/worker.py").read()
-    assert source.rstrip().endswith('if __name__ == "__main__":\n    _exit_now(recorded(main))  # an error is written '
-                                    "for the parent's message, then raised")
+    assert source.rstrip().endswith('if __name__ == "__main__":\n    with once_per_cause():\n        code = recorded(main)  '
+                                    "# an error is written for the parent's message, then raised\n"
+                                    "    _exit_now(code)")
