@@ -11,29 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gcomp.bench.workloads import CharLM
+
 MODELS = ("resnet50", "decoder", "mlp")
 GPT2_SMALL = {"vocab": 50257, "context": 256, "width": 768, "depth": 12, "heads": 12}
-
-
-class Decoder(nn.Module):
-    """A causal Transformer decoder: token and position embeddings, pre-norm layers, the head tied to the token
-    embedding (as GPT-2's)."""
-
-    def __init__(self, vocab: int, context: int, width: int, depth: int, heads: int):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.pos = nn.Parameter(torch.randn(1, context, width) * 0.02)
-        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
-        self.layers = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.embed.weight
-        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
-
-    def forward(self, x):
-        n = x.size(1)
-        h = self.layers(self.embed(x) + self.pos[:, :n], mask=self.causal[:n, :n], is_causal=True)
-        return self.head(self.norm(h))
 
 
 def _numbers(spec: str) -> list[int]:
@@ -62,7 +43,7 @@ def build(spec: str, seed: int = 0) -> tuple[nn.Module, str]:
             if len(sizes) != 2 or min(sizes) < 1:
                 raise ValueError(f"--model {spec!r}: decoder:WIDTH,DEPTH (e.g. decoder:128,2)")
             config.update(width=sizes[0], depth=sizes[1], heads=max(1, sizes[0] // 64), vocab=1024, context=64)
-        return Decoder(**config), "tokens"
+        return CharLM(**config, tied=True), "tokens"
     if name == "mlp":
         widths = _numbers(spec) or [512, 512]
         layers: list[nn.Module] = []

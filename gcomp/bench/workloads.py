@@ -246,16 +246,21 @@ class ViT(nn.Module):
 
 
 class CharLM(nn.Module):
-    """A small causal Transformer over bytes: width 128, depth 2, 4 heads; logits for every position."""
+    """A causal Transformer decoder, logits for every position: token and position embeddings, pre-norm layers.
+    By default the race's small one over bytes (width 128, depth 2, 4 heads); ``tied=True`` ties the head to the
+    token embedding, without a bias, as GPT-2 does (``gcomp bench --overhead``'s decoder)."""
 
-    def __init__(self, vocab: int = 256, context: int = 64, width: int = 128, depth: int = 2, heads: int = 4):
+    def __init__(self, vocab: int = 256, context: int = 64, width: int = 128, depth: int = 2, heads: int = 4,
+                 tied: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.randn(1, context, width) * 0.02)
         layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab)
+        self.head = nn.Linear(width, vocab, bias=not tied)
+        if tied:
+            self.head.weight = self.embed.weight
         self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
 
     def forward(self, x):
