@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gcomp
+from gcomp.testing import ops
 from tests.compressors import block_scaled_jobs as jobs
 from tests.distributed import run_ranks
 
@@ -116,3 +117,11 @@ def test_bad_parameters_are_clear_errors(name, params, words):
 
 def test_listed_for_fsdp():
     assert {"fp8", "mx"} <= set(gcomp.available(fsdp=True))
+
+
+def test_device_path_is_bucket_wide_without_host_syncs():
+    specs = ["fp8", "mx:format=mxfp4", "mx:format=nvfp4,rounding=stochastic,error_feedback=false"]
+    configs = ((4, 1 << 12), (64, 1 << 12), (4, 1 << 16))
+    counts = run_ranks(1, ops.job_device_counts, specs, configs)[0]
+    for spec in specs:
+        ops.check_bounded(spec, counts, declared=0, configs=configs)

@@ -54,7 +54,7 @@ def test_result_is_the_shard_of_the_sum(name, world):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", [m for m in CONFIGS if m in ("randomk", "spardl") or "error_feedback=true" in m])
+@pytest.mark.parametrize("name", [m for m in CONFIGS if m in ("randomk", "spardl", "fp8", "mx") or "error_feedback=true" in m])
 def test_error_feedback_conserves_the_sum(name, world):
     for rank in _results(world):
         run = rank[name]
