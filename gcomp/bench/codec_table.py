@@ -17,7 +17,8 @@ copy and only the method's own work remains), the hook reduces one fp32 bucket, 
 
 ``pactrain`` runs on a bucket pruned at random at 0.5 and ``prunex`` on one with half its rows pruned, both
 after their tracker froze the support; every other method on a dense random bucket. Beside every registered
-method with its defaults, ``pactrain:ternary=true`` and PyTorch's ``powerSGD_hook`` on the same bucket
+method with its defaults, the other ``mx`` element widths (``mxfp6_e3m2``, ``mxfp4``, ``nvfp4``),
+``pactrain:ternary=true`` and PyTorch's ``powerSGD_hook`` on the same bucket
 (``torch:powersgd``, rank 2: ``codec_hooks``; it has no codec timers, so its ``encode+decode`` cell is n/a). Times are medians,
 operations interleaved within every repeat (``gcomp.bench.timing.median_times``): wall-clock on the CPU.
 
@@ -63,7 +64,8 @@ from gcomp.registry import parse_spec
 
 ROW_WIDTH = 256  # the pruned buckets are (numel / 256, 256) weights
 FROZEN_AFTER = 4  # reductions before timing: pactrain/prunex (stable_steps=1) have frozen by then
-EXTRA_ROWS = ("pactrain:ternary=true", "torch:powersgd")  # beside every registered method's defaults
+# beside every registered method's defaults
+EXTRA_ROWS = ("mx:format=mxfp6_e3m2", "mx:format=mxfp4", "mx:format=nvfp4", "pactrain:ternary=true", "torch:powersgd")
 
 
 class _Bucket:

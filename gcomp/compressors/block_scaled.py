@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
-from gcomp.bucket_state import BucketState
+from gcomp.bucket_state import BucketState, Scratch
 from gcomp.collectives.two_phase import TwoPhaseCommunicator
 from gcomp.compressors.block_scaled_rows import TwoPhaseRows
 from gcomp.compressors.device_random import DeviceStream
@@ -70,6 +70,7 @@ class BlockScaledCompressor(Compressor):
         self.stateful = self.holds_gradient = error_feedback
         self.stream = DeviceStream(seed, f"block-scaled {fmt_name}")
         self._owner = BucketState(("owner_error",), owner=f"{fmt_name} owner error")
+        self._rows = Scratch(slots=1)  # the padded fp32 bucket encoded from (memory, not state)
         self.world, self.rank = 1, 0
 
     def bind(self, model, group, stats) -> None:
@@ -89,19 +90,18 @@ class BlockScaledCompressor(Compressor):
         """Each row of ``rows`` (fp32, ``(R, c)``) encoded on its own, stacked: tensor i is ``(R, len_i)``."""
         encoded = [self.fmt.encode(row, rounding=self.rounding, generator=self._generator(rows.device))
                    for row in rows]
+        if len(encoded) == 1:  # one row: its tensors as they are, no copy
+            return [part.unsqueeze(0) for part in encoded[0]]
         return [torch.stack(parts) for parts in zip(*encoded)]
 
-    def decode_rows(self, tensors, width: int, out: torch.Tensor | None = None, accumulate: bool = False
-                    ) -> torch.Tensor:
-        """The ``(R, width)`` fp32 decode of stacked rows (``out`` filled, or summed into with ``accumulate``)."""
+    def decode_rows(self, tensors, width: int) -> torch.Tensor:
+        """The ``(R, width)`` fp32 decode of stacked rows."""
         rows = tensors[0].shape[0]
-        out = torch.empty(rows, width, dtype=torch.float32, device=tensors[0].device) if out is None else out
+        if rows == 1:  # the decode itself is the result, no copy
+            return self.fmt.decode([t[0] for t in tensors], width).view(1, width)
+        out = torch.empty(rows, width, dtype=torch.float32, device=tensors[0].device)
         for r in range(rows):
-            row = self.fmt.decode([t[r] for t in tensors], width)
-            if accumulate:
-                out[0 if out.shape[0] == 1 else r] += row
-            else:
-                out[r].copy_(row)
+            out[r].copy_(self.fmt.decode([t[r] for t in tensors], width))
         return out
 
     # --- the first phase -------------------------------------------------------------------------------------
@@ -113,11 +113,15 @@ class BlockScaledCompressor(Compressor):
         flat, numel = tensor.reshape(-1), tensor.numel()
         width = self.width(numel, self.world)
         stray = self._stray(bucket, flat, width)
-        rows = torch.zeros(self.world * width, dtype=torch.float32, device=flat.device)
-        if stray is None:
-            rows[:numel].copy_(flat)
+        if stray is None and flat.dtype == torch.float32 and numel == self.world * width:
+            rows = flat  # encoded as it is: no padding, no cast
         else:
-            torch.add(flat, stray, out=rows[:numel])
+            rows = self._rows.take(bucket, self.world * width, torch.float32, flat.device)
+            rows[numel:].zero_()
+            if stray is None:
+                rows[:numel].copy_(flat)
+            else:
+                torch.add(flat, stray, out=rows[:numel])
         ctx = RowsCtx(bucket, tensor.shape, tensor.dtype, numel, self.world, width, stray=stray)
         return Payload(self.encode_rows(rows.view(self.world, width)), ctx)
 
@@ -143,9 +147,11 @@ class BlockScaledCompressor(Compressor):
     # --- the second phase and the result ---------------------------------------------------------------------
 
     def sum_received(self, received, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """The fp32 (fp64 for fp64 buckets) sum of the ``(N, width)`` received chunks, in rank order."""
-        total = torch.zeros(1, width, dtype=torch.promote_types(torch.float32, dtype), device=received[0].device)
-        return self.decode_rows(received, width, out=total, accumulate=True)[0]
+        """The fp32 (fp64 for fp64 buckets) sum of the ``(N, width)`` received chunks, decoded, in rank order."""
+        total = self.fmt.decode([t[0] for t in received], width).to(torch.promote_types(torch.float32, dtype))
+        for r in range(1, received[0].shape[0]):
+            total += self.fmt.decode([t[r] for t in received], width)
+        return total
 
     def second_phase(self, received, ctx: RowsCtx) -> list[torch.Tensor]:
         """This rank's chunk: the sum of what every rank sent for it, plus the owner's kept error, re-encoded;
