@@ -1,0 +1,175 @@
+"""Block-scaled formats over a flat fp32 tensor whose length is a multiple of the block: each block of entries
+shares a scale, and each entry is a ``gcomp.compressors.minifloat`` element of the block divided by its scale.
+
+- ``fp8_e4m3`` / ``fp8_e5m2`` (blocks of ``block`` entries, 128 by default): one fp32 scale per block,
+  ``amax / max`` (``max`` the element format's largest value: 448, 57344); the elements are ``x / scale`` in
+  E4M3 / E5M2. A block of zeros has scale 0 and zero codes (it decodes to zeros; so does a block whose ``amax /
+  max`` underflows fp32).
+- ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp6_e3m2``, ``mxfp6_e2m3``, ``mxfp4`` (OCP Microscaling v1.0): blocks of 32,
+  one E8M0 scale each (a byte ``s``, the value ``2^(s - 127)``, ``0xFF`` NaN), the shared exponent
+  ``floor(log2(amax)) - emax_elem`` clamped to ``[-127, 127]`` (a block of zeros gets ``2^-127``); the elements are
+  ``x / 2^shared`` quantised with saturation. A block holding a NaN or an infinity gets the NaN scale and decodes
+  to NaN throughout (the spec's NaN scale; an infinity's ``log2`` overflows the scale's range, as in the spec's
+  reference code).
+- ``nvfp4`` (NVIDIA): blocks of 16 E2M1 elements, one E4M3 scale per block and one fp32 scale for the tensor:
+  ``global = amax_tensor / (6 * 448)`` over its finite entries, the block scale ``(amax_block / 6) / global``
+  rounded to E4M3, the elements ``x / (scale_e4m3 * global)``. A block holding a NaN or an infinity gets the E4M3
+  NaN scale and decodes to NaN; a tensor of zeros has ``global = 0`` and decodes to zeros.
+
+The elements round to nearest even, or stochastically (``rounding="stochastic"``, ``minifloat.encode``'s rule);
+scales are always chosen as above. FP6 codes are packed 4 to 3 bytes (``c0 | c1 << 6 | c2 << 12 | c3 << 18``,
+little-endian), FP4 codes 2 to a byte (the first in the low nibble). The decode gathers two entries per index
+from a table of pairs (a packed FP4 byte, 12 bits of FP6, two FP8 codes), then multiplies each block by its scale.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+import torch
+
+from gcomp.compressors import minifloat
+from gcomp.compressors.block_wire import check_length, pack, pair_index, pair_table
+from gcomp.compressors.minifloat import Minifloat
+
+E4M3 = minifloat.FORMATS["e4m3"]
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A block-scaled format: ``encode`` gives its wire tensors (all 1-d: the element codes as uint8, packed for
+    FP6 and FP4; then the scales: fp32 for ``fp8_*``, uint8 E8M0 for MX, uint8 E4M3 and one fp32 for ``nvfp4``);
+    ``decode`` the fp32 entries back. ``kind``: ``fp8``, ``mx`` or ``nvfp4``."""
+
+    name: str
+    element: Minifloat
+    block: int
+    kind: str
+
+    @property
+    def element_bits(self) -> int:
+        return self.element.bits
+
+    @property
+    def bits_per_entry(self) -> float:
+        """Bits on the wire per entry, as the tensor grows (the scales' share included)."""
+        return self.element_bits + {"fp8": 32, "mx": 8, "nvfp4": 8}[self.kind] / self.block
+
+    def wire_bytes(self, n: int) -> int:
+        """The bytes ``encode`` of ``n`` entries gives, exactly."""
+        check_length(n, self.block, self.name)
+        codes = n * self.element_bits // 8
+        blocks = n // self.block
+        return codes + {"fp8": 4 * blocks, "mx": blocks, "nvfp4": blocks + 4}[self.kind]
+
+    # -- scales ------------------------------------------------------------------------------------------------
+    def _amax(self, flat: torch.Tensor, work: minifloat.Work) -> torch.Tensor:
+        amax = torch.empty(flat.numel() // self.block, dtype=torch.float32, device=flat.device)
+        for start, stop in minifloat._slabs(flat.numel(), flat.device, self.block):
+            a = torch.abs(flat[start:stop], out=work.f[:stop - start])
+            torch.amax(a.view(-1, self.block), 1, out=amax[start // self.block:stop // self.block])
+        return amax
+
+    def _scales(self, amax: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, bool]:
+        """The scale tensors sent, the per-block number the elements are multiplied (or divided) by, and whether
+        it divides."""
+        if self.kind == "fp8":
+            scale = amax / self.element.max
+            return [scale], torch.where(scale == 0, torch.ones_like(scale), scale), True
+        if self.kind == "mx":
+            field = amax.view(torch.int32).bitwise_right_shift(23).bitwise_and_(0xFF)
+            code = (field - self.element.emax).clamp_(0, 254)
+            code = torch.where(field == 255, torch.full_like(code, 255), code)
+            factor = torch.ldexp(torch.ones_like(amax), 127 - code)  # 1 / 2^shared, exact
+            factor = torch.where(code == 255, torch.zeros_like(factor), factor)
+            return [code.to(torch.uint8)], factor, False
+        finite = torch.isfinite(amax)
+        top = torch.where(finite, amax, torch.zeros_like(amax)).amax().reshape(1)
+        glob = top / (6 * E4M3.max)
+        ratio = torch.where(glob > 0, amax / 6 / glob, torch.zeros_like(amax))
+        ratio = torch.where(finite, ratio, torch.full_like(ratio, float("nan")))
+        code = minifloat.encode(ratio, E4M3)
+        divisor = minifloat.table(E4M3, amax.device)[code.long()] * glob
+        return [code, glob], torch.where(divisor == 0, torch.ones_like(divisor), divisor), True
+
+    def decode_scales(self, scales: list[torch.Tensor]) -> torch.Tensor:
+        """Each block's fp32 scale (NaN for a NaN scale) from the scale tensors ``encode`` sent."""
+        if self.kind == "fp8":
+            return scales[0]
+        if self.kind == "mx":
+            code = scales[0].to(torch.int32)
+            value = torch.ldexp(torch.ones(code.shape, device=code.device), code - 127)
+            return torch.where(code == 255, torch.full_like(value, float("nan")), value)
+        return minifloat.table(E4M3, scales[0].device)[scales[0].long()] * scales[1]
+
+    # -- the wire ----------------------------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, rounding: str = "nearest",
+               generator: torch.Generator | None = None) -> list[torch.Tensor]:
+        """The wire tensors of the flat fp32 ``x`` (its length a multiple of ``block``): the element codes, then the
+        scales. ``rounding``: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased; draws from
+        ``generator`` on ``x``'s device)."""
+        if rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"rounding must be 'nearest' or 'stochastic', not {rounding!r}")
+        if x.dtype != torch.float32 or x.dim() != 1:
+            raise ValueError(f"{self.name} encodes a flat fp32 tensor, not {x.dtype} of shape {tuple(x.shape)}")
+        n = x.numel()
+        check_length(n, self.block, self.name)
+        flat = x.contiguous()
+        work = minifloat.work_for(n, x.device)
+        scales, factor, divide = self._scales(self._amax(flat, work))
+        codes = torch.empty(n * self.element_bits // 8, dtype=torch.uint8, device=x.device)
+        scaled = torch.empty_like(work.f)
+        element = torch.empty(scaled.numel(), dtype=torch.uint8, device=x.device) if self.element_bits < 8 else None
+        for start, stop in minifloat._slabs(n, x.device, self.block):
+            m, blocks = stop - start, slice(start // self.block, stop // self.block)
+            rows = flat[start:stop].view(-1, self.block)
+            op = torch.div if divide else torch.mul
+            values = op(rows, factor[blocks, None], out=scaled[:m].view(-1, self.block)).view(-1)
+            if element is None:
+                minifloat.encode_slab(values, self.element, codes[start:stop], work, rounding, generator)
+            else:
+                minifloat.encode_slab(values, self.element, element[:m], work, rounding, generator)
+                bits = self.element_bits
+                pack(element[:m], bits, codes[start * bits // 8:stop * bits // 8])
+        return [codes, *scales]
+
+    def decode(self, tensors: list[torch.Tensor], n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``n`` fp32 entries of the wire ``tensors`` (written into ``out`` if given, and returned)."""
+        check_length(n, self.block, self.name)
+        codes = tensors[0]
+        if codes.numel() != n * self.element_bits // 8:
+            raise ValueError(f"{self.name}: {codes.numel()} code bytes cannot hold {n} entries")
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32, device=codes.device)
+        scale = self.decode_scales(list(tensors[1:]))
+        table = pair_table(self.element, codes.device)
+        index = torch.empty(min(n, minifloat.SLAB) // 2 if codes.device.type == "cpu" else n // 2,
+                            dtype=torch.int32, device=codes.device)
+        bits = self.element_bits
+        for start, stop in minifloat._slabs(n, codes.device, self.block):
+            chosen = pair_index(codes[start * bits // 8:stop * bits // 8], bits, index[:(stop - start) // 2])
+            torch.index_select(table, 0, chosen, out=out[start:stop].view(torch.int64))
+            out[start:stop].view(-1, self.block).mul_(scale[start // self.block:stop // self.block, None])
+        return out
+
+
+_MX = {"mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3", "mxfp4": "e2m1"}
+NAMES = ("fp8_e4m3", "fp8_e5m2", *_MX, "nvfp4")
+
+
+def block_format(name: str, block: int | None = None) -> BlockFormat:
+    """The block format called ``name`` (one of ``NAMES``); ``block`` sets the block of the ``fp8_*`` formats
+    (128 by default; a positive multiple of 4); MX's is 32 and NVFP4's 16, fixed by their specs."""
+    if name.startswith("fp8_") and name[4:] in ("e4m3", "e5m2"):
+        block = 128 if block is None else block
+        if not isinstance(block, int) or block < 4 or block % 4:
+            raise ValueError(f"{name}: block must be a positive multiple of 4, not {block!r}")
+        return BlockFormat(name, minifloat.FORMATS[name[4:]], block, "fp8")
+    fixed = 32 if name in _MX else 16 if name == "nvfp4" else None
+    if fixed is None:
+        close = difflib.get_close_matches(name, NAMES, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown block format {name!r}{hint} (known: {', '.join(NAMES)})")
+    if block is not None and block != fixed:
+        raise ValueError(f"{name} has blocks of {fixed} entries by its spec, not {block}")
+    return BlockFormat(name, minifloat.FORMATS[_MX.get(name, "e2m1")], fixed, "mx" if name in _MX else "nvfp4")

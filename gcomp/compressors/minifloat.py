@@ -1,0 +1,216 @@
+"""The OCP element formats (8-, 6- and 4-bit floats, OCP Microscaling (MX) v1.0 and OCP 8-bit floating point):
+their codes from fp32 (``encode``, round to nearest even or stochastic, saturating) and back (``decode``, a table).
+
+A format with ``e`` exponent bits, ``m`` mantissa bits and bias ``b`` holds, for a code ``S.E.M``, the value
+``(-1)^S 2^(E - b) (1 + M / 2^m)`` when ``E > 0`` and ``(-1)^S 2^(1 - b) (M / 2^m)`` when ``E = 0`` (subnormals);
+E4M3 gives up its top code ``S.1111.111`` to NaN and has no infinities; E5M2 is IEEE-like (``S.11111.00`` is
+infinity, ``S.11111.{01,10,11}`` NaN); E3M2, E2M3 and E2M1 use every code for a number.
+
+The encoders are whole-tensor integer and float operations (no search per element, no host sync). Round to
+nearest adds a magic number, a power of two whose ulp is the format's step at the entry (``2^(max(E, emin) + 23 -
+m)``), so that fp32's own addition rounds to nearest even at the right step, subnormals included; the code is
+read off the sum's bits. Stochastic rounding scales the magnitude so that the format's smallest normal lands on
+fp32's (its codes are then exactly the fp32 bit patterns with their low ``23 - m`` bits zero, subnormals too), adds
+a uniform integer in ``[0, 2^(23 - m))`` to the bits and truncates: rounded up with probability equal to the
+distance to the lower neighbour over the step, always to one of the two neighbours. On the CPU the tensor is
+taken in slabs of ``SLAB`` entries so that the dozen passes stay in cache (a fixed number of slabs per bucket,
+none per block); on a device it is taken whole.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+import torch
+
+SLAB = 1 << 17  # entries per slab on the CPU: the work buffers (fp32, int32, bool) fit a core's L2
+_EXPONENT = 0x7F800000
+
+
+@dataclass(frozen=True)
+class Minifloat:
+    """One element format: ``ebits`` exponent bits, ``mbits`` mantissa bits, ``bias``; ``max`` its largest finite
+    value; ``nan_code`` the code of a positive NaN (``None``: no NaN, a NaN is encoded as ``±max``); ``inf_code``
+    that of +infinity (``None``: none)."""
+
+    name: str
+    ebits: int
+    mbits: int
+    bias: int
+    max: float
+    nan_code: int | None = None
+    inf_code: int | None = None
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.ebits + self.mbits
+
+    @property
+    def emin(self) -> int:
+        """The exponent of the smallest normal (``1 - bias``)."""
+        return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        """The exponent of the largest normal (``floor(log2(max))``): MX's ``emax_elem``."""
+        return int(torch.tensor(self.max).log2().floor().item())
+
+    @property
+    def min_normal(self) -> float:
+        return 2.0 ** self.emin
+
+    @property
+    def min_subnormal(self) -> float:
+        return 2.0 ** (self.emin - self.mbits)
+
+    @property
+    def sign_bit(self) -> int:
+        return 1 << (self.bits - 1)
+
+    @property
+    def nan_fill(self) -> float:
+        """The magnitude the encoder gives a NaN before rounding: the NaN code read as if it were a normal number
+        (it then rounds to that code), or ``max`` for a format with no NaN."""
+        if self.nan_code is None:
+            return self.max
+        exponent, mantissa = self.nan_code >> self.mbits, self.nan_code & ((1 << self.mbits) - 1)
+        return 2.0 ** (exponent - self.bias) * (1 + mantissa / 2 ** self.mbits)
+
+
+FORMATS: dict[str, Minifloat] = {f.name: f for f in (
+    Minifloat("e4m3", 4, 3, 7, 448.0, nan_code=0x7F),
+    Minifloat("e5m2", 5, 2, 15, 57344.0, nan_code=0x7F, inf_code=0x7C),
+    Minifloat("e3m2", 3, 2, 3, 28.0),
+    Minifloat("e2m3", 2, 3, 1, 7.5),
+    Minifloat("e2m1", 2, 1, 1, 6.0),
+)}
+
+
+def minifloat(name: str) -> Minifloat:
+    """The element format called ``name`` (``e4m3``, ``e5m2``, ``e3m2``, ``e2m3``, ``e2m1``)."""
+    found = FORMATS.get(name)
+    if found is None:
+        close = difflib.get_close_matches(name, FORMATS, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown element format {name!r}{hint} (known: {', '.join(FORMATS)})")
+    return found
+
+
+def _check(fmt: Minifloat | str) -> Minifloat:
+    return minifloat(fmt) if isinstance(fmt, str) else fmt
+
+
+_TABLES: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def table(fmt: Minifloat | str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The value of every code, fp32, indexed by the code (``2^bits`` entries; kept per format and device)."""
+    fmt = _check(fmt)
+    key = (fmt.name, str(torch.device(device)))
+    found = _TABLES.get(key)
+    if found is None:
+        codes = torch.arange(1 << fmt.bits)
+        exponent = (codes >> fmt.mbits) & ((1 << fmt.ebits) - 1)
+        mantissa = (codes & ((1 << fmt.mbits) - 1)).double()
+        normal = torch.ldexp(1 + mantissa / 2 ** fmt.mbits, exponent - fmt.bias)
+        subnormal = torch.ldexp(mantissa / 2 ** fmt.mbits, torch.full_like(exponent, fmt.emin))
+        values = torch.where(exponent > 0, normal, subnormal)
+        magnitude = codes & (fmt.sign_bit - 1)
+        if fmt.inf_code is not None:
+            values[magnitude == fmt.inf_code] = float("inf")
+        if fmt.nan_code is not None:
+            values[magnitude > fmt.inf_code if fmt.inf_code is not None else magnitude == fmt.nan_code] = float("nan")
+        values = torch.where(codes >= fmt.sign_bit, -values, values)
+        found = _TABLES[key] = values.float().to(device)
+    return found
+
+
+def _slabs(n: int, device: torch.device, unit: int = 1):
+    """``(start, stop)`` of the slabs a tensor of ``n`` entries is taken in (whole multiples of ``unit``)."""
+    if device.type != "cpu" or n <= SLAB:
+        yield 0, n
+        return
+    step = max(unit, SLAB // unit * unit)
+    for start in range(0, n, step):
+        yield start, min(n, start + step)
+
+
+class Work:
+    """Work buffers of one slab (fp32, and two int32), reused across the slabs of a call."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.f = torch.empty(n, dtype=torch.float32, device=device)
+        self.i = torch.empty(n, dtype=torch.int32, device=device)
+        self.s = torch.empty(n, dtype=torch.int32, device=device)
+
+    def take(self, n: int):
+        return self.f[:n], self.i[:n], self.s[:n]
+
+
+def work_for(n: int, device: torch.device) -> Work:
+    return Work(min(n, SLAB) if device.type == "cpu" else n, device)
+
+
+def encode_slab(values: torch.Tensor, fmt: Minifloat, out: torch.Tensor, work: Work, rounding: str = "nearest",
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """The codes of the fp32 ``values`` (one slab, contiguous; left as they were) written into ``out`` (uint8, the
+    same length); ``work`` holds the slab's buffers."""
+    n = values.numel()
+    a, bits, sign = work.take(n)
+    # the sign bit moved to the code's top bit (an arithmetic shift, then a mask)
+    torch.bitwise_right_shift(values.view(torch.int32), 32 - fmt.bits, out=sign).bitwise_and_(fmt.sign_bit)
+    torch.abs(values, out=a).clamp_max_(fmt.max).nan_to_num_(nan=fmt.nan_fill)  # saturated; NaN as nan_fill
+    shift = 23 - fmt.mbits
+    a_bits = a.view(torch.int32)
+    if rounding == "nearest":
+        # magic = 2^(max(E, emin) + shift): its ulp is the format's step at the entry
+        torch.bitwise_and(a_bits, _EXPONENT, out=bits).clamp_min_((fmt.emin + 127) << 23).add_(shift << 23)
+        a.add_(bits.view(torch.float32))  # fp32 rounds to nearest even at that step
+        a_bits.sub_(bits)  # the step count above the magic: in [0, 2^(m+1)]
+        a_bits.add_(bits.bitwise_right_shift_(shift)).add_(sign)  # + (biased E of the magic) << m, + the sign
+        out.copy_(a_bits)  # mod 256; the constant below takes the rest
+        return out.sub_(((fmt.emin + 127 + shift) << fmt.mbits) & 0xFF)
+    a.mul_(2.0 ** (-126 - fmt.emin))  # the format's codes = fp32 bits >> shift, subnormals too
+    torch.randint(0, 1 << shift, (n,), generator=generator, dtype=torch.int32, device=values.device, out=bits)
+    a_bits.add_(bits).bitwise_right_shift_(shift).add_(sign)
+    return out.copy_(a_bits)
+
+
+def encode(x: torch.Tensor, fmt: Minifloat | str, rounding: str = "nearest",
+           generator: torch.Generator | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The codes (uint8, one per entry, flat) of the fp32 tensor ``x`` in ``fmt``.
+
+    ``rounding``: ``"nearest"`` (ties to even) or ``"stochastic"`` (up with probability equal to the distance to
+    the lower neighbour over the step: unbiased; the draws, ``23 - m`` bits per entry, come from ``generator`` on
+    ``x``'s device, or the default generator when None). Values beyond ``max``, infinities included, saturate to
+    ``±max`` (OCP MX v1.0's conversion; for FP8 the saturating cast). A NaN becomes the format's NaN code (with its
+    sign) where it has one (E4M3, E5M2); E3M2, E2M3 and E2M1 have none and a NaN becomes ``±max``: the MX block
+    layer carries NaN in the block's scale (E8M0 ``0xFF``), so its elements need no NaN. ``-0.0`` keeps its sign.
+    """
+    fmt = _check(fmt)
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', not {rounding!r}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"encode takes fp32, not {x.dtype}")
+    flat = x.reshape(-1)
+    if out is None:
+        out = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
+    work = work_for(flat.numel(), x.device)
+    for start, stop in _slabs(flat.numel(), x.device):
+        encode_slab(flat[start:stop], fmt, out[start:stop], work, rounding, generator)
+    return out
+
+
+def decode(codes: torch.Tensor, fmt: Minifloat | str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 values of ``codes`` (integers in ``[0, 2^bits)``, flat): one gather from ``table(fmt)``."""
+    fmt = _check(fmt)
+    flat = codes.reshape(-1)
+    if out is None:
+        out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
+    values = table(fmt, codes.device)
+    index = torch.empty(min(flat.numel(), SLAB) if codes.device.type == "cpu" else flat.numel(),
+                        dtype=torch.int32, device=codes.device)
+    for start, stop in _slabs(flat.numel(), codes.device):
+        chosen = index[:stop - start].copy_(flat[start:stop])
+        torch.index_select(values, 0, chosen, out=out[start:stop])
+    return out
