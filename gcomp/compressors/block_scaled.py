@@ -1,6 +1,6 @@
 """``fp8`` and ``mx``: block-scaled low-precision reductions in two phases (every sum in fp32), with error feedback.
 
-The formats themselves (element codes, block scales, rounding) are ``gcomp.compressors.block_scaling``'s; this
+The formats themselves (element codes, block scales, rounding) are ``gcomp.compressors.block_formats``'s; this
 module lays a bucket out in one chunk per rank, encodes and decodes those chunks, sums what a rank owns, and
 keeps the owner's rounding error. The collectives: ``gcomp.collectives.two_phase``.
 """
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from gcomp.bucket import BucketInfo
 from gcomp.bucket_state import BucketState, Scratch
 from gcomp.collectives.two_phase import TwoPhaseCommunicator
+from gcomp.compressors.block_formats import block_format
 from gcomp.compressors.block_scaled_rows import TwoPhaseRows
 from gcomp.compressors.device_random import DeviceStream
 from gcomp.core import ALLGATHER, Compressor, Payload, check_state, sum_by_name
@@ -95,13 +96,11 @@ class BlockScaledCompressor(Compressor):
         return [torch.stack(parts) for parts in zip(*encoded)]
 
     def decode_rows(self, tensors, width: int) -> torch.Tensor:
-        """The ``(R, width)`` fp32 decode of stacked rows."""
+        """The ``(R, width)`` fp32 decode of stacked rows, each decoded straight into its place."""
         rows = tensors[0].shape[0]
-        if rows == 1:  # the decode itself is the result, no copy
-            return self.fmt.decode([t[0] for t in tensors], width).view(1, width)
         out = torch.empty(rows, width, dtype=torch.float32, device=tensors[0].device)
         for r in range(rows):
-            out[r].copy_(self.fmt.decode([t[r] for t in tensors], width))
+            self.fmt.decode([t[r] for t in tensors], width, out=out[r])
         return out
 
     # --- the first phase -------------------------------------------------------------------------------------
@@ -149,8 +148,9 @@ class BlockScaledCompressor(Compressor):
     def sum_received(self, received, width: int, dtype: torch.dtype) -> torch.Tensor:
         """The fp32 (fp64 for fp64 buckets) sum of the ``(N, width)`` received chunks, decoded, in rank order."""
         total = self.fmt.decode([t[0] for t in received], width).to(torch.promote_types(torch.float32, dtype))
+        row = torch.empty(width, dtype=torch.float32, device=total.device) if received[0].shape[0] > 1 else None
         for r in range(1, received[0].shape[0]):
-            total += self.fmt.decode([t[r] for t in received], width)
+            total += self.fmt.decode([t[r] for t in received], width, out=row)
         return total
 
     def second_phase(self, received, ctx: RowsCtx) -> list[torch.Tensor]:
@@ -240,16 +240,15 @@ def _method(fmt_name: str, fmt, rounding: str, error_feedback: bool) -> Method:
 
 @register("fp8", paper="Micikevicius et al. 2022 (FP8 formats for deep learning, arXiv 2209.05433)", fsdp=TwoPhaseRows)
 def fp8(format: Annotated[str, OneOf(*FP8_FORMATS), "element format"] = "e4m3",
-        block: Annotated[int, Range(16, 4096), "entries per fp32 scale"] = 128,
+        block: Annotated[int, Range(4, 4096), "entries per fp32 scale (a multiple of 4)"] = 128,
         error_feedback: Annotated[bool, "keep both phases' rounding errors for later steps"] = True,
         rounding: Annotated[str, OneOf(*ROUNDINGS), "round to nearest even, or stochastically (unbiased)"
                             ] = "nearest") -> Method:
     """FP8 (E4M3 or E5M2) with one fp32 scale per block, reduced in two phases (all-to-all, fp32 sum,
     all-gather) with error feedback: about 8 + 32/block bits per entry per phase."""
-    from gcomp.compressors.block_scaling import block_format
-    if block % 16:
-        raise ValueError(f"fp8: block must be a multiple of 16; got {block}")
-    return _method(format, block_format(format, block=block), rounding, error_feedback)
+    if block % 4:
+        raise ValueError(f"fp8: block must be a multiple of 4; got {block}")
+    return _method(format, block_format(f"fp8_{format}", block=block), rounding, error_feedback)
 
 
 @register("mx", paper="OCP Microscaling Formats (MX) v1.0 (2023); NVIDIA NVFP4 (2025)", fsdp=TwoPhaseRows)
@@ -259,5 +258,4 @@ def mx(format: Annotated[str, OneOf(*MX_FORMATS), "element and block format"] = 
                            ] = "nearest") -> Method:
     """OCP Microscaling (MXFP8, MXFP6, MXFP4: 32-entry blocks, a power-of-two scale each) or NVFP4 (16-entry
     blocks, an E4M3 scale each), reduced in two phases with error feedback: 4.25 to 8.25 bits per entry per phase."""
-    from gcomp.compressors.block_scaling import block_format
     return _method(format, block_format(format), rounding, error_feedback)

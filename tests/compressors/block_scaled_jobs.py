@@ -5,7 +5,6 @@ import torch
 import torch.distributed as dist
 
 import gcomp
-from gcomp.compressors.block_scaling import block_format
 
 STATS = ("bytes_sent", "encode_s", "decode_s", "round_work_s", "rounds", "allgather_calls", "allgather_bytes",
          "p2p_rounds", "p2p_bytes")

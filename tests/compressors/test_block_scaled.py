@@ -103,8 +103,8 @@ def test_owner_error_is_flushed_once():
 
 
 @pytest.mark.parametrize("name, params, words", [
-    ("fp8", {"block": 100}, "multiple of 16"),
-    ("fp8", {"block": 8}, "block"),
+    ("fp8", {"block": 102}, "multiple of 4"),
+    ("fp8", {"block": 2}, "block"),
     ("fp8", {"format": "mxfp4"}, "format"),
     ("mx", {"format": "e4m3"}, "format"),
     ("mx", {"block": 32}, "unknown parameter"),
