@@ -24,7 +24,7 @@ from gcomp.sharding import RowStrategy, ShardLayout
 from tests.distributed import run_ranks
 from tests.models import ddp, mlp, train
 
-FSDP_METHODS = ["bf16", "fp16", "identity", "pactrain", "randomk", "spardl"]
+FSDP_METHODS = ["bf16", "fp16", "fp8", "identity", "mx", "pactrain", "randomk", "spardl"]
 
 
 def test_every_registered_method_is_a_unit_and_composites_pass_no_tensor_through():

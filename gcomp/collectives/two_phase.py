@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from gcomp.collectives.counting import count_collectives, count_p2p_round, count_round, round_work
+from gcomp.collectives.counting import count_collectives, count_round, round_work
 from gcomp.collectives.futures import launched, when_all_done
 from gcomp.collectives.gather_flat import all_gather_flat
 from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
@@ -16,8 +16,9 @@ from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
 def all_to_all_rows(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, stats: dict | None
                     ) -> list[torch.Tensor]:
     """Row r of every ``(N, m)`` tensor to rank r; returns, per tensor, the ``(N, m)`` rows received (row s from
-    rank s). Launched together and waited for. Counted as one point-to-point round whose busier direction is
-    the ``N - 1`` rows this rank sends."""
+    rank s). Launched together and waited for: one round. Counted as one all-gather per tensor of one row's bytes
+    (``gcomp.collectives.counting``): the same N - 1 messages of that size leave the rank as in a ring all-gather
+    of it, so the cost model and ``auto`` price it right."""
     received, works = [], []
     for t in tensors:
         out = torch.empty_like(t)
@@ -25,9 +26,8 @@ def all_to_all_rows(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | 
         received.append(out)
     for work in works:
         work.wait()
-    rows = sum(t[0].numel() * t.element_size() for t in tensors) if tensors else 0
-    others = (tensors[0].shape[0] - 1) * rows if tensors else 0
-    count_p2p_round(stats, others, others)
+    count_collectives(stats, "allgather", [t[0] for t in tensors])
+    count_round(stats)
     return received
 
 
@@ -41,7 +41,8 @@ class TwoPhaseCommunicator(Communicator):
     Bytes, by the project's convention (a collective's input as this rank hands it over): the payload, all N
     chunks (``Method.reduce`` counts it, as a reduce-scatter's whole input is counted), plus the one re-encoded
     chunk handed to the all-gather, added here: ``(N + 1) * chunk_bytes`` per bucket; of these, ``2 (N - 1)``
-    chunks leave the rank (``p2p_bytes`` and ``allgather_bytes`` tell the phases apart)."""
+    chunks leave the rank. Both phases are counted as all-gathers of one chunk (``allgather_calls``,
+    ``allgather_bytes``: ``all_to_all_rows``), two rounds."""
 
     collective = ALLGATHER
 
