@@ -4,7 +4,7 @@ shares a scale, and each entry is a ``gcomp.compressors.minifloat`` element of t
 - ``fp8_e4m3`` / ``fp8_e5m2`` (blocks of ``block`` entries, 128 by default): one fp32 scale per block,
   ``amax / max`` (``max`` the element format's largest value: 448, 57344); the elements are ``x / scale`` in
   E4M3 / E5M2. A block of zeros has scale 0 and zero codes (it decodes to zeros; so does a block whose ``amax /
-  max`` underflows fp32).
+  max`` underflows fp32); a block holding a NaN or an infinity has a NaN scale and decodes to NaN.
 - ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp6_e3m2``, ``mxfp6_e2m3``, ``mxfp4`` (OCP Microscaling v1.0): blocks of 32,
   one E8M0 scale each (a byte ``s``, the value ``2^(s - 127)``, ``0xFF`` NaN), the shared exponent
   ``floor(log2(amax)) - emax_elem`` clamped to ``[-127, 127]`` (a block of zeros gets ``2^-127``); the elements are
@@ -74,15 +74,13 @@ class BlockFormat:
         """The scale tensors sent, the per-block number the elements are multiplied (or divided) by, and whether
         it divides."""
         if self.kind == "fp8":
-            scale = amax / self.element.max
+            scale = (amax / self.element.max).masked_fill_(~torch.isfinite(amax), float("nan"))
             return [scale], torch.where(scale == 0, torch.ones_like(scale), scale), True
         if self.kind == "mx":
             field = amax.view(torch.int32).bitwise_right_shift(23).bitwise_and_(0xFF)
             code = (field - self.element.emax).clamp_(0, 254)
-            code = torch.where(field == 255, torch.full_like(code, 255), code)
-            factor = torch.ldexp(torch.ones_like(amax), 127 - code)  # 1 / 2^shared, exact
-            factor = torch.where(code == 255, torch.zeros_like(factor), factor)
-            return [code.to(torch.uint8)], factor, False
+            code.masked_fill_(field == 255, 255)
+            return [code.to(torch.uint8)], e8m0_value(254 - code), False  # 1 / 2^shared: the code 254 - s
         finite = torch.isfinite(amax)
         top = torch.where(finite, amax, torch.zeros_like(amax)).amax().reshape(1)
         glob = top / (6 * E4M3.max)
@@ -97,9 +95,7 @@ class BlockFormat:
         if self.kind == "fp8":
             return scales[0]
         if self.kind == "mx":
-            code = scales[0].to(torch.int32)
-            value = torch.ldexp(torch.ones(code.shape, device=code.device), code - 127)
-            return torch.where(code == 255, torch.full_like(value, float("nan")), value)
+            return e8m0_value(scales[0].to(torch.int32))
         return minifloat.table(E4M3, scales[0].device)[scales[0].long()] * scales[1]
 
     # -- the wire ----------------------------------------------------------------------------------------------
@@ -126,9 +122,9 @@ class BlockFormat:
             op = torch.div if divide else torch.mul
             values = op(rows, factor[blocks, None], out=scaled[:m].view(-1, self.block)).view(-1)
             if element is None:
-                minifloat.encode_slab(values, self.element, codes[start:stop], work, rounding, generator)
+                minifloat.encode_slab(values, self.element, codes[start:stop], work, rounding, generator, False)
             else:
-                minifloat.encode_slab(values, self.element, element[:m], work, rounding, generator)
+                minifloat.encode_slab(values, self.element, element[:m], work, rounding, generator, False)
                 bits = self.element_bits
                 pack(element[:m], bits, codes[start * bits // 8:stop * bits // 8])
         return [codes, *scales]
@@ -151,6 +147,14 @@ class BlockFormat:
             torch.index_select(table, 0, chosen, out=out[start:stop].view(torch.int64))
             out[start:stop].view(-1, self.block).mul_(scale[start // self.block:stop // self.block, None])
         return out
+
+
+def e8m0_value(code: torch.Tensor) -> torch.Tensor:
+    """``2^(code - 127)`` for the int32 ``code`` in ``[0, 254]`` (``2^-127`` is fp32's subnormal ``2^22`` bits), NaN
+    for 255, built from its bits; a negative code (no scale: a NaN block's elements) gives 0."""
+    bits = code.bitwise_left_shift(23)
+    bits.masked_fill_(code == 0, 1 << 22).masked_fill_(code == 255, 0x7FC00000).masked_fill_(code < 0, 0)
+    return bits.view(torch.float32)
 
 
 _MX = {"mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3", "mxfp4": "e2m1"}

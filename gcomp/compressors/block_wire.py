@@ -14,18 +14,20 @@ def check_length(n: int, block: int, name: str) -> None:
 
 
 def pack(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
-    """``codes`` (uint8, each below ``2^bits``; a multiple of 4 of them) packed into ``out`` (uint8, ``len * bits /
-    8`` bytes): 6-bit codes as ``c0 | c1 << 6 | c2 << 12 | c3 << 18`` in 3 little-endian bytes, 4-bit ones as
-    ``c0 | c1 << 4``."""
+    """``codes`` (uint8, each below ``2^bits``; a multiple of 4 of them, contiguous) packed into ``out`` (uint8,
+    ``len * bits / 8`` bytes): 6-bit codes as ``c0 | c1 << 6 | c2 << 12 | c3 << 18`` in 3 little-endian bytes,
+    4-bit ones as ``c0 | c1 << 4``. Each group is read as one little-endian integer (int16 for a pair, int32 for
+    four) and its fields are moved by whole-tensor shifts."""
     if bits == 4:
-        pairs = codes.view(-1, 2)
-        return torch.bitwise_left_shift(pairs[:, 1], 4, out=out).bitwise_or_(pairs[:, 0])
+        pairs = codes.view(torch.int16)  # c0 | c1 << 8
+        return out.copy_(pairs.bitwise_or(pairs.bitwise_right_shift(4)))  # the low byte: c0 | c1 << 4
     if bits != 6:
         raise ValueError(f"only 4- and 6-bit codes are packed, not {bits}")
-    c, b = codes.view(-1, 4), out.view(-1, 3)
-    torch.bitwise_left_shift(c[:, 1], 6, out=b[:, 0]).bitwise_or_(c[:, 0])
-    torch.bitwise_left_shift(c[:, 2], 4, out=b[:, 1]).bitwise_or_(c[:, 1] >> 2)
-    torch.bitwise_left_shift(c[:, 3], 2, out=b[:, 2]).bitwise_or_(c[:, 2] >> 4)
+    word = codes.view(torch.int32)  # c0 | c1 << 8 | c2 << 16 | c3 << 24
+    packed = word.bitwise_and(0x3F)
+    for k, mask in ((1, 0xFC0), (2, 0x3F000), (3, 0xFC0000)):
+        packed.bitwise_or_(word.bitwise_right_shift(2 * k).bitwise_and_(mask))
+    out.view(-1, 3).copy_(packed.view(torch.uint8).view(-1, 4)[:, :3])
     return out
 
 

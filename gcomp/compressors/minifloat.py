@@ -152,14 +152,17 @@ def work_for(n: int, device: torch.device) -> Work:
 
 
 def encode_slab(values: torch.Tensor, fmt: Minifloat, out: torch.Tensor, work: Work, rounding: str = "nearest",
-                generator: torch.Generator | None = None) -> torch.Tensor:
+                generator: torch.Generator | None = None, nan: bool = True) -> torch.Tensor:
     """The codes of the fp32 ``values`` (one slab, contiguous; left as they were) written into ``out`` (uint8, the
-    same length); ``work`` holds the slab's buffers."""
+    same length); ``work`` holds the slab's buffers. ``nan=False``: the caller has no use for the codes of NaN
+    entries (a block layer whose scale says NaN), which are then some byte."""
     n = values.numel()
     a, bits, sign = work.take(n)
     # the sign bit moved to the code's top bit (an arithmetic shift, then a mask)
     torch.bitwise_right_shift(values.view(torch.int32), 32 - fmt.bits, out=sign).bitwise_and_(fmt.sign_bit)
-    torch.abs(values, out=a).clamp_max_(fmt.max).nan_to_num_(nan=fmt.nan_fill)  # saturated; NaN as nan_fill
+    torch.abs(values, out=a).clamp_max_(fmt.max)  # saturated
+    if nan:
+        a.nan_to_num_(nan=fmt.nan_fill)
     shift = 23 - fmt.mbits
     a_bits = a.view(torch.int32)
     if rounding == "nearest":

@@ -40,7 +40,8 @@ def reference(name: str, x: list[float], block: int = 128):
     codes, scales, decoded = [], [], []
     if name.startswith("fp8"):
         for b in blocks:
-            scale = fp32(max(abs(v) for v in b) / float(element.max)) if not any(map(math.isnan, b)) else math.nan
+            finite = all(map(math.isfinite, b))
+            scale = fp32(max(abs(v) for v in b) / float(element.max)) if finite else math.nan
             divisor = scale if scale != 0 else 1.0
             cs = [element.encode(fp32(v / divisor)) if not math.isnan(divisor) else None for v in b]
             codes += cs
