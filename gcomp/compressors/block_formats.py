@@ -113,18 +113,24 @@ class BlockFormat:
         flat = x.contiguous()
         work = minifloat.work_for(n, x.device)
         scales, factor, divide = self._scales(self._amax(flat, work))
+        cast = rounding == "nearest" and self.element.carrier is not None
+        if cast and not divide:
+            factor = factor * minifloat.alignment(self.element)  # powers of two: exact
         codes = torch.empty(n * self.element_bits // 8, dtype=torch.uint8, device=x.device)
         scaled = torch.empty_like(work.f)
         element = torch.empty(scaled.numel(), dtype=torch.uint8, device=x.device) if self.element_bits < 8 else None
+        spare = work.s.view(torch.uint8)
         for start, stop in minifloat._slabs(n, x.device, self.block):
             m, blocks = stop - start, slice(start // self.block, stop // self.block)
             rows = flat[start:stop].view(-1, self.block)
             op = torch.div if divide else torch.mul
             values = op(rows, factor[blocks, None], out=scaled[:m].view(-1, self.block)).view(-1)
-            if element is None:
-                minifloat.encode_slab(values, self.element, codes[start:stop], work, rounding, generator, False)
+            target = codes[start:stop] if element is None else element[:m]
+            if cast:
+                minifloat.cast_codes(values, self.element, target, spare[:m])
             else:
-                minifloat.encode_slab(values, self.element, element[:m], work, rounding, generator, False)
+                minifloat.encode_slab(values, self.element, target, work, rounding, generator, False)
+            if element is not None:
                 bits = self.element_bits
                 pack(element[:m], bits, codes[start * bits // 8:stop * bits // 8])
         return [codes, *scales]

@@ -67,13 +67,15 @@ def pair_table(fmt: Minifloat, device: torch.device | str) -> torch.Tensor:
 
 def pair_index(packed: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
     """The indices into ``pair_table`` of the packed codes ``packed`` (uint8), written into ``out`` (int32, one per
-    two codes)."""
+    two codes). Packed FP6 is read a group at a time as ``b0 | b1 << 8 | b2 << 16``: its two 12-bit halves."""
     if bits == 4:
         return out.copy_(packed)
     if bits == 8:
         return out.copy_(packed.view(torch.int16)).bitwise_and_(0xFFFF)
-    b, pairs = packed.view(-1, 3), out.view(-1, 2)
-    torch.bitwise_and(b[:, 1], 15, out=pairs[:, 1])  # scratch: the low nibble of the middle byte
-    pairs[:, 0].copy_(pairs[:, 1]).bitwise_left_shift_(8).add_(b[:, 0])
-    pairs[:, 1].copy_(b[:, 2]).bitwise_left_shift_(4).add_(b[:, 1] >> 4)
+    pairs = out.view(-1, 2)
+    word = torch.empty(pairs.shape[0], dtype=torch.int32, device=out.device)
+    word.view(torch.uint8).view(-1, 4)[:, 3] = 0
+    word.view(torch.uint8).view(-1, 4)[:, :3] = packed.view(-1, 3)
+    torch.bitwise_and(word, 0xFFF, out=pairs[:, 0])
+    torch.bitwise_right_shift(word, 12, out=pairs[:, 1])
     return out

@@ -40,6 +40,7 @@ class Minifloat:
     max: float
     nan_code: int | None = None
     inf_code: int | None = None
+    carrier: str | None = None  # a torch float8 format whose codes hold this one's (see ``cast_codes``)
 
     @property
     def bits(self) -> int:
@@ -77,11 +78,35 @@ class Minifloat:
         return 2.0 ** (exponent - self.bias) * (1 + mantissa / 2 ** self.mbits)
 
 
+_CARRIERS = {"e4m3": (torch.float8_e4m3fn, -6), "e5m2": (torch.float8_e5m2, -14)}  # dtype, emin
+
+
+def alignment(fmt: Minifloat) -> float:
+    """The power of two that puts ``fmt``'s smallest normal on its carrier's (1 without a carrier): scaled by it,
+    ``fmt``'s values are exactly the carrier's up to ``max * alignment``, with the same codes below the sign."""
+    return 2.0 ** (_CARRIERS[fmt.carrier][1] - fmt.emin) if fmt.carrier else 1.0
+
+
+def cast_codes(aligned: torch.Tensor, fmt: Minifloat, out: torch.Tensor, spare: torch.Tensor) -> torch.Tensor:
+    """Round to nearest even by torch's float8 cast: the codes of ``aligned`` (fp32 values already multiplied by
+    ``alignment(fmt)``; clamped here, in place) written into ``out`` (uint8); ``spare`` is a uint8 buffer of the
+    same length. The cast rounds to nearest even, subnormals included; a NaN gives the carrier's NaN code, which
+    for a 6-bit format is ±max (the code ``S.11111``... cut to the format's fields)."""
+    dtype, _ = _CARRIERS[fmt.carrier]
+    top = fmt.max * alignment(fmt)
+    out.view(dtype).copy_(aligned.clamp_(-top, top))
+    if fmt.bits == 8:
+        return out
+    # S.EEEEE.MM (or S.EEEE.MMM) -> S.EEE.MM (S.EE.MMM): the value's fields fit the low 5 bits; the sign moves down
+    sign = torch.bitwise_right_shift(out, 2, out=spare).bitwise_and_(0x20)
+    return out.bitwise_and_(0x1F).bitwise_or_(sign)
+
+
 FORMATS: dict[str, Minifloat] = {f.name: f for f in (
-    Minifloat("e4m3", 4, 3, 7, 448.0, nan_code=0x7F),
-    Minifloat("e5m2", 5, 2, 15, 57344.0, nan_code=0x7F, inf_code=0x7C),
-    Minifloat("e3m2", 3, 2, 3, 28.0),
-    Minifloat("e2m3", 2, 3, 1, 7.5),
+    Minifloat("e4m3", 4, 3, 7, 448.0, nan_code=0x7F, carrier="e4m3"),
+    Minifloat("e5m2", 5, 2, 15, 57344.0, nan_code=0x7F, inf_code=0x7C, carrier="e5m2"),
+    Minifloat("e3m2", 3, 2, 3, 28.0, carrier="e5m2"),
+    Minifloat("e2m3", 2, 3, 1, 7.5, carrier="e4m3"),
     Minifloat("e2m1", 2, 1, 1, 6.0),
 )}
 
@@ -200,7 +225,11 @@ def encode(x: torch.Tensor, fmt: Minifloat | str, rounding: str = "nearest",
         out = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
     work = work_for(flat.numel(), x.device)
     for start, stop in _slabs(flat.numel(), x.device):
-        encode_slab(flat[start:stop], fmt, out[start:stop], work, rounding, generator)
+        if rounding == "nearest" and fmt.carrier:
+            a = torch.mul(flat[start:stop], alignment(fmt), out=work.f[:stop - start])
+            cast_codes(a, fmt, out[start:stop], work.s.view(torch.uint8)[:stop - start])
+        else:
+            encode_slab(flat[start:stop], fmt, out[start:stop], work, rounding, generator)
     return out
 
 
