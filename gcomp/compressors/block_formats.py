@@ -17,9 +17,9 @@ shares a scale, and each entry is a ``gcomp.compressors.minifloat`` element of t
   NaN scale and decodes to NaN; a tensor of zeros has ``global = 0`` and decodes to zeros.
 
 The elements round to nearest even, or stochastically (``rounding="stochastic"``, ``minifloat.encode``'s rule);
-scales are always chosen as above. FP6 codes are packed 4 to 3 bytes (``c0 | c1 << 6 | c2 << 12 | c3 << 18``,
-little-endian), FP4 codes 2 to a byte (the first in the low nibble). The decode gathers two entries per index
-from a table of pairs (a packed FP4 byte, 12 bits of FP6, two FP8 codes), then multiplies each block by its scale.
+scales are always chosen as above. FP6 and FP4 codes are packed (``block_wire``: FP4 2 to a byte, FP6 a plane of
+low nibbles then a plane of top bits). The decode gathers two entries per index from a table of pairs (two FP8
+codes, a packed FP4 byte, an FP6 pair's nibbles and top bits), then multiplies each block by its scale.
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ class BlockFormat:
                 minifloat.encode_slab(values, self.element, target, work, rounding, generator, False)
             if element is not None:
                 bits = self.element_bits
-                pack(element[:m], bits, codes[start * bits // 8:stop * bits // 8])
+                pack(element[:m], bits, codes, n, start)
         return [codes, *scales]
 
     def decode(self, tensors: list[torch.Tensor], n: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,7 +149,7 @@ class BlockFormat:
                             dtype=torch.int32, device=codes.device)
         bits = self.element_bits
         for start, stop in minifloat._slabs(n, codes.device, self.block):
-            chosen = pair_index(codes[start * bits // 8:stop * bits // 8], bits, index[:(stop - start) // 2])
+            chosen = pair_index(codes, bits, n, start, stop, index[:(stop - start) // 2])
             torch.index_select(table, 0, chosen, out=out[start:stop].view(torch.int64))
             out[start:stop].view(-1, self.block).mul_(scale[start // self.block:stop // self.block, None])
         return out
