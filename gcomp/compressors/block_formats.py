@@ -76,11 +76,14 @@ class BlockFormat:
         if self.kind == "fp8":
             scale = (amax / self.element.max).masked_fill_(~torch.isfinite(amax), float("nan"))
             return [scale], torch.where(scale == 0, torch.ones_like(scale), scale), True
-        if self.kind == "mx":
-            field = amax.view(torch.int32).bitwise_right_shift(23).bitwise_and_(0xFF)
-            code = (field - self.element.emax).clamp_(0, 254)
-            code.masked_fill_(field == 255, 255)
-            return [code.to(torch.uint8)], e8m0_value(254 - code), False  # 1 / 2^shared: the code 254 - s
+        if self.kind == "mx":  # in place on amax's bits: its biased exponent, the scale code, 1 / scale
+            code = amax.view(torch.int32).bitwise_right_shift_(23).bitwise_and_(0xFF)
+            nan = code == 255
+            code.sub_(self.element.emax).clamp_(0, 254).masked_fill_(nan, 255)
+            wire = code.to(torch.uint8)
+            factor = code.neg_().add_(254).bitwise_left_shift_(23)  # 2^(127 - s) = 1 / 2^shared: the code 254 - s
+            factor.masked_fill_(wire == 254, 1 << 22).masked_fill_(nan, 0)  # 2^-127 is fp32's subnormal; NaN: none
+            return [wire], factor.view(torch.float32), False
         finite = torch.isfinite(amax)
         top = torch.where(finite, amax, torch.zeros_like(amax)).amax().reshape(1)
         glob = top / (6 * E4M3.max)
@@ -95,7 +98,7 @@ class BlockFormat:
         if self.kind == "fp8":
             return scales[0]
         if self.kind == "mx":
-            return e8m0_value(scales[0].to(torch.int32))
+            return e8m0_value(scales[0])
         return minifloat.table(E4M3, scales[0].device)[scales[0].long()] * scales[1]
 
     # -- the wire ----------------------------------------------------------------------------------------------
@@ -156,10 +159,10 @@ class BlockFormat:
 
 
 def e8m0_value(code: torch.Tensor) -> torch.Tensor:
-    """``2^(code - 127)`` for the int32 ``code`` in ``[0, 254]`` (``2^-127`` is fp32's subnormal ``2^22`` bits), NaN
-    for 255, built from its bits; a negative code (no scale: a NaN block's elements) gives 0."""
-    bits = code.bitwise_left_shift(23)
-    bits.masked_fill_(code == 0, 1 << 22).masked_fill_(code == 255, 0x7FC00000).masked_fill_(code < 0, 0)
+    """``2^(code - 127)`` for the uint8 E8M0 ``code`` (``2^-127`` is fp32's subnormal ``2^22`` bits), NaN for 255,
+    built from its bits."""
+    bits = code.to(torch.int32).bitwise_left_shift_(23)
+    bits.masked_fill_(code == 0, 1 << 22).masked_fill_(code == 255, 0x7FC00000)
     return bits.view(torch.float32)
 
 

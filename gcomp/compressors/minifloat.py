@@ -176,15 +176,26 @@ def work_for(n: int, device: torch.device) -> Work:
     return Work(min(n, SLAB) if device.type == "cpu" else n, device)
 
 
+_CONSTANTS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _k(value: int, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-d int32 tensor on ``device`` (kept): an operand that costs no conversion per call."""
+    key = (value, str(device))
+    found = _CONSTANTS.get(key)
+    if found is None:
+        found = _CONSTANTS[key] = torch.tensor(value, dtype=torch.int32, device=device)
+    return found
+
+
 def encode_slab(values: torch.Tensor, fmt: Minifloat, out: torch.Tensor, work: Work, rounding: str = "nearest",
                 generator: torch.Generator | None = None, nan: bool = True) -> torch.Tensor:
     """The codes of the fp32 ``values`` (one slab, contiguous; left as they were) written into ``out`` (uint8, the
     same length); ``work`` holds the slab's buffers. ``nan=False``: the caller has no use for the codes of NaN
     entries (a block layer whose scale says NaN), which are then some byte."""
-    n = values.numel()
+    n, device = values.numel(), values.device
     a, bits, sign = work.take(n)
-    # the sign bit moved to the code's top bit (an arithmetic shift, then a mask)
-    torch.bitwise_right_shift(values.view(torch.int32), 32 - fmt.bits, out=sign).bitwise_and_(fmt.sign_bit)
+    torch.bitwise_right_shift(values.view(torch.int32), _k(31, device), out=sign)  # -1 for a negative entry, else 0
     torch.abs(values, out=a).clamp_max_(fmt.max)  # saturated
     if nan:
         a.nan_to_num_(nan=fmt.nan_fill)
@@ -192,15 +203,16 @@ def encode_slab(values: torch.Tensor, fmt: Minifloat, out: torch.Tensor, work: W
     a_bits = a.view(torch.int32)
     if rounding == "nearest":
         # magic = 2^(max(E, emin) + shift): its ulp is the format's step at the entry
-        torch.bitwise_and(a_bits, _EXPONENT, out=bits).clamp_min_((fmt.emin + 127) << 23).add_(shift << 23)
+        torch.bitwise_and(a_bits, _k(_EXPONENT, device), out=bits)
+        bits.clamp_min_(_k((fmt.emin + 127) << 23, device)).add_(_k(shift << 23, device))
         a.add_(bits.view(torch.float32))  # fp32 rounds to nearest even at that step
-        a_bits.sub_(bits)  # the step count above the magic: in [0, 2^(m+1)]
-        a_bits.add_(bits.bitwise_right_shift_(shift)).add_(sign)  # + (biased E of the magic) << m, + the sign
-        out.copy_(a_bits)  # mod 256; the constant below takes the rest
+        # code = sum - magic + (biased E of the magic) << m, the last two as one multiple of magic >> shift
+        a_bits.sub_(bits.bitwise_right_shift_(_k(shift, device)), alpha=(1 << shift) - 1)
+        out.copy_(a_bits.sub_(sign, alpha=fmt.sign_bit))  # + the sign; mod 256, the constant below takes the rest
         return out.sub_(((fmt.emin + 127 + shift) << fmt.mbits) & 0xFF)
     a.mul_(2.0 ** (-126 - fmt.emin))  # the format's codes = fp32 bits >> shift, subnormals too
-    torch.randint(0, 1 << shift, (n,), generator=generator, dtype=torch.int32, device=values.device, out=bits)
-    a_bits.add_(bits).bitwise_right_shift_(shift).add_(sign)
+    torch.randint(0, 1 << shift, (n,), generator=generator, dtype=torch.int32, device=device, out=bits)
+    a_bits.add_(bits).bitwise_right_shift_(_k(shift, device)).sub_(sign, alpha=fmt.sign_bit)
     return out.copy_(a_bits)
 
 
