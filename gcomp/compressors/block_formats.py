@@ -89,7 +89,9 @@ class BlockFormat:
             factor.masked_fill_(wire == 254, 1 << 22).masked_fill_(nan, 0)  # 2^-127 is fp32's subnormal; NaN: none
             return [wire], factor.view(torch.float32), False
         finite = torch.isfinite(amax)
-        glob = torch.nan_to_num(amax, nan=0.0, posinf=0.0).amax().reshape(1) / (6 * E4M3.max)
+        glob = torch.nan_to_num(amax, nan=0.0, posinf=0.0).reshape(-1).amax(0, keepdim=True) if amax.numel() \
+            else amax.new_zeros(1)
+        glob = glob / (6 * E4M3.max)
         ratio = amax.div(6).div_(glob).nan_to_num_(nan=0.0).masked_fill_(~finite, float("nan"))  # global 0: 0
         code = ratio.clamp_(max=E4M3.max).to(torch.float8_e4m3fn)  # to nearest even; NaN: S.1111.111
         divisor = code.float().mul_(glob)
@@ -116,6 +118,8 @@ class BlockFormat:
         n = x.numel()
         check_length(n, self.block, self.name)
         flat = x.contiguous()
+        if n == 0:
+            return [x.new_empty(0, dtype=torch.uint8), *self._scales(x.new_empty(0))[0]]
         work = minifloat.work_for(n, x.device)
         scales, factor, divide = self._scales(self._amax(flat, work))
         cast = rounding == "nearest" and self.element.carrier is not None

@@ -19,6 +19,7 @@ none per block); on a device it is taken whole.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ class Minifloat:
     @property
     def emax(self) -> int:
         """The exponent of the largest normal (``floor(log2(max))``): MX's ``emax_elem``."""
-        return int(torch.tensor(self.max).log2().floor().item())
+        return math.frexp(self.max)[1] - 1
 
     @property
     def min_normal(self) -> float:

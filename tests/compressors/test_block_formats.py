@@ -210,6 +210,14 @@ def test_slabs_of_whole_blocks_encode_as_the_whole(name, monkeypatch):
     assert torch.equal(fmt.decode(slabs, x.numel()), fmt.decode(whole, x.numel()))
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_an_empty_tensor_has_only_its_fixed_scales(name):
+    fmt = block_format(name)
+    tensors = fmt.encode(torch.empty(0))
+    assert sum(t.numel() * t.element_size() for t in tensors) == fmt.wire_bytes(0) == (4 if name == "nvfp4" else 0)
+    assert fmt.decode(tensors, 0).numel() == 0
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="did you mean mxfp4"):
         block_format("mxfp4x")
