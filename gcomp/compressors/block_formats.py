@@ -40,7 +40,8 @@ E4M3 = minifloat.FORMATS["e4m3"]
 class BlockFormat:
     """A block-scaled format: ``encode`` gives its wire tensors (all 1-d: the element codes as uint8, packed for
     FP6 and FP4; then the scales: fp32 for ``fp8_*``, uint8 E8M0 for MX, uint8 E4M3 and one fp32 for ``nvfp4``);
-    ``decode`` the fp32 entries back. ``kind``: ``fp8``, ``mx`` or ``nvfp4``."""
+    ``decode`` the fp32 entries back. ``kind``: ``fp8``, ``mx`` or ``nvfp4``. A format needs no collective: the
+    method that uses it sends these tensors (its own all-to-all and all-gather)."""
 
     name: str
     element: Minifloat

@@ -7,14 +7,17 @@ E4M3 gives up its top code ``S.1111.111`` to NaN and has no infinities; E5M2 is 
 infinity, ``S.11111.{01,10,11}`` NaN); E3M2, E2M3 and E2M1 use every code for a number.
 
 The encoders are whole-tensor integer and float operations (no search per element, no host sync). Round to
-nearest adds a magic number, a power of two whose ulp is the format's step at the entry (``2^(max(E, emin) + 23 -
-m)``), so that fp32's own addition rounds to nearest even at the right step, subnormals included; the code is
-read off the sum's bits. Stochastic rounding scales the magnitude so that the format's smallest normal lands on
-fp32's (its codes are then exactly the fp32 bit patterns with their low ``23 - m`` bits zero, subnormals too), adds
-a uniform integer in ``[0, 2^(23 - m))`` to the bits and truncates: rounded up with probability equal to the
-distance to the lower neighbour over the step, always to one of the two neighbours. On the CPU the tensor is
-taken in slabs of ``SLAB`` entries so that the dozen passes stay in cache (a fixed number of slabs per bucket,
-none per block); on a device it is taken whole.
+nearest goes through torch's float8 casts where one holds the format (``cast_codes``: E4M3 and E5M2 as they are,
+E2M3 and E3M2 scaled by a power of two onto E4M3's and E5M2's grids, the same codes below the sign); E2M1 adds a
+magic number, a power of two whose ulp is the format's step at the entry (``2^(max(E, emin) + 23 - m)``), so that
+fp32's own addition rounds to nearest even at the right step, subnormals included, and reads the code off the
+sum's bits. Stochastic rounding scales the magnitude so that the format's smallest normal lands on fp32's (its
+codes are then exactly the fp32 bit patterns with their low ``23 - m`` bits zero, subnormals too), adds a uniform
+integer in ``[0, 2^(23 - m))`` to the bits and truncates: rounded up with probability equal to the distance to
+the lower neighbour over the step (exactly, to the resolution of fp32's subnormals, which the scaling must not
+flush: ``torch.set_flush_denormal(True)`` breaks it), always to one of the two neighbours. On the CPU the tensor
+is taken in slabs of ``SLAB`` entries so that the passes stay in cache (a fixed number of slabs per bucket, none
+per block); on a device it is taken whole.
 """
 from __future__ import annotations
 
