@@ -4,7 +4,7 @@ shares a scale, and each entry is a ``gcomp.compressors.minifloat`` element of t
 - ``fp8_e4m3`` / ``fp8_e5m2`` (blocks of ``block`` entries, 128 by default): one fp32 scale per block,
   ``amax / max`` (``max`` the element format's largest value: 448, 57344); the elements are ``x / scale`` in
   E4M3 / E5M2. A block of zeros has scale 0 and zero codes (it decodes to zeros; so does a block whose ``amax /
-  max`` underflows fp32).
+  max`` underflows fp32); a block holding a NaN or an infinity has a NaN scale and decodes to NaN.
 - ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp6_e3m2``, ``mxfp6_e2m3``, ``mxfp4`` (OCP Microscaling v1.0): blocks of 32,
   one E8M0 scale each (a byte ``s``, the value ``2^(s - 127)``, ``0xFF`` NaN), the shared exponent
   ``floor(log2(amax)) - emax_elem`` clamped to ``[-127, 127]`` (a block of zeros gets ``2^-127``); the elements are
@@ -17,9 +17,9 @@ shares a scale, and each entry is a ``gcomp.compressors.minifloat`` element of t
   NaN scale and decodes to NaN; a tensor of zeros has ``global = 0`` and decodes to zeros.
 
 The elements round to nearest even, or stochastically (``rounding="stochastic"``, ``minifloat.encode``'s rule);
-scales are always chosen as above. FP6 codes are packed 4 to 3 bytes (``c0 | c1 << 6 | c2 << 12 | c3 << 18``,
-little-endian), FP4 codes 2 to a byte (the first in the low nibble). The decode gathers two entries per index
-from a table of pairs (a packed FP4 byte, 12 bits of FP6, two FP8 codes), then multiplies each block by its scale.
+scales are always chosen as above. FP6 and FP4 codes are packed (``block_wire``: FP4 2 to a byte, FP6 a plane of
+low nibbles then a plane of top bits). The decode gathers two entries per index from a table of pairs (two FP8
+codes, a packed FP4 byte, an FP6 pair's nibbles and top bits), then multiplies each block by its scale.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import difflib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from gcomp.compressors import minifloat
 from gcomp.compressors.block_wire import check_length, pack, pair_index, pair_table
@@ -39,7 +40,8 @@ E4M3 = minifloat.FORMATS["e4m3"]
 class BlockFormat:
     """A block-scaled format: ``encode`` gives its wire tensors (all 1-d: the element codes as uint8, packed for
     FP6 and FP4; then the scales: fp32 for ``fp8_*``, uint8 E8M0 for MX, uint8 E4M3 and one fp32 for ``nvfp4``);
-    ``decode`` the fp32 entries back. ``kind``: ``fp8``, ``mx`` or ``nvfp4``."""
+    ``decode`` the fp32 entries back. ``kind``: ``fp8``, ``mx`` or ``nvfp4``. A format needs no collective: the
+    method that uses it sends these tensors (its own all-to-all and all-gather)."""
 
     name: str
     element: Minifloat
@@ -67,40 +69,42 @@ class BlockFormat:
         amax = torch.empty(flat.numel() // self.block, dtype=torch.float32, device=flat.device)
         for start, stop in minifloat._slabs(flat.numel(), flat.device, self.block):
             a = torch.abs(flat[start:stop], out=work.f[:stop - start])
-            torch.amax(a.view(-1, self.block), 1, out=amax[start // self.block:stop // self.block])
+            if self.block < 32:  # torch's row reduction is slow below 32 a row; pooling is not (and keeps NaN)
+                amax[start // self.block:stop // self.block] = F.max_pool1d(a.view(1, 1, -1), self.block).view(-1)
+            else:
+                torch.amax(a.view(-1, self.block), 1, out=amax[start // self.block:stop // self.block])
         return amax
 
     def _scales(self, amax: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, bool]:
         """The scale tensors sent, the per-block number the elements are multiplied (or divided) by, and whether
         it divides."""
         if self.kind == "fp8":
-            scale = amax / self.element.max
+            scale = (amax / self.element.max).masked_fill_(~torch.isfinite(amax), float("nan"))
             return [scale], torch.where(scale == 0, torch.ones_like(scale), scale), True
-        if self.kind == "mx":
-            field = amax.view(torch.int32).bitwise_right_shift(23).bitwise_and_(0xFF)
-            code = (field - self.element.emax).clamp_(0, 254)
-            code = torch.where(field == 255, torch.full_like(code, 255), code)
-            factor = torch.ldexp(torch.ones_like(amax), 127 - code)  # 1 / 2^shared, exact
-            factor = torch.where(code == 255, torch.zeros_like(factor), factor)
-            return [code.to(torch.uint8)], factor, False
+        if self.kind == "mx":  # in place on amax's bits: its biased exponent, the scale code, 1 / scale
+            code = amax.view(torch.int32).bitwise_right_shift_(23).bitwise_and_(0xFF)
+            nan = code == 255
+            code.sub_(self.element.emax).clamp_(0, 254).masked_fill_(nan, 255)
+            wire = code.to(torch.uint8)
+            factor = code.neg_().add_(254).bitwise_left_shift_(23)  # 2^(127 - s) = 1 / 2^shared: the code 254 - s
+            factor.masked_fill_(wire == 254, 1 << 22).masked_fill_(nan, 0)  # 2^-127 is fp32's subnormal; NaN: none
+            return [wire], factor.view(torch.float32), False
         finite = torch.isfinite(amax)
-        top = torch.where(finite, amax, torch.zeros_like(amax)).amax().reshape(1)
-        glob = top / (6 * E4M3.max)
-        ratio = torch.where(glob > 0, amax / 6 / glob, torch.zeros_like(amax))
-        ratio = torch.where(finite, ratio, torch.full_like(ratio, float("nan")))
-        code = minifloat.encode(ratio, E4M3)
-        divisor = minifloat.table(E4M3, amax.device)[code.long()] * glob
-        return [code, glob], torch.where(divisor == 0, torch.ones_like(divisor), divisor), True
+        glob = torch.nan_to_num(amax, nan=0.0, posinf=0.0).reshape(-1).amax(0, keepdim=True) if amax.numel() \
+            else amax.new_zeros(1)
+        glob = glob / (6 * E4M3.max)
+        ratio = amax.div(6).div_(glob).nan_to_num_(nan=0.0).masked_fill_(~finite, float("nan"))  # global 0: 0
+        code = ratio.clamp_(max=E4M3.max).to(torch.float8_e4m3fn)  # to nearest even; NaN: S.1111.111
+        divisor = code.float().mul_(glob)
+        return [code.view(torch.uint8), glob], divisor.masked_fill_(divisor == 0, 1.0), True
 
     def decode_scales(self, scales: list[torch.Tensor]) -> torch.Tensor:
         """Each block's fp32 scale (NaN for a NaN scale) from the scale tensors ``encode`` sent."""
         if self.kind == "fp8":
             return scales[0]
         if self.kind == "mx":
-            code = scales[0].to(torch.int32)
-            value = torch.ldexp(torch.ones(code.shape, device=code.device), code - 127)
-            return torch.where(code == 255, torch.full_like(value, float("nan")), value)
-        return minifloat.table(E4M3, scales[0].device)[scales[0].long()] * scales[1]
+            return e8m0_value(scales[0])
+        return scales[0].view(torch.float8_e4m3fn).float().mul_(scales[1])
 
     # -- the wire ----------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, rounding: str = "nearest",
@@ -115,22 +119,30 @@ class BlockFormat:
         n = x.numel()
         check_length(n, self.block, self.name)
         flat = x.contiguous()
+        if n == 0:
+            return [x.new_empty(0, dtype=torch.uint8), *self._scales(x.new_empty(0))[0]]
         work = minifloat.work_for(n, x.device)
         scales, factor, divide = self._scales(self._amax(flat, work))
+        cast = rounding == "nearest" and self.element.carrier is not None
+        if cast and not divide:
+            factor = factor * minifloat.alignment(self.element)  # powers of two: exact
         codes = torch.empty(n * self.element_bits // 8, dtype=torch.uint8, device=x.device)
         scaled = torch.empty_like(work.f)
         element = torch.empty(scaled.numel(), dtype=torch.uint8, device=x.device) if self.element_bits < 8 else None
+        spare = work.s.view(torch.uint8)
         for start, stop in minifloat._slabs(n, x.device, self.block):
             m, blocks = stop - start, slice(start // self.block, stop // self.block)
             rows = flat[start:stop].view(-1, self.block)
             op = torch.div if divide else torch.mul
             values = op(rows, factor[blocks, None], out=scaled[:m].view(-1, self.block)).view(-1)
-            if element is None:
-                minifloat.encode_slab(values, self.element, codes[start:stop], work, rounding, generator)
+            target = codes[start:stop] if element is None else element[:m]
+            if cast:
+                minifloat.cast_codes(values, self.element, target, spare[:m])
             else:
-                minifloat.encode_slab(values, self.element, element[:m], work, rounding, generator)
+                minifloat.encode_slab(values, self.element, target, work, rounding, generator, False)
+            if element is not None:
                 bits = self.element_bits
-                pack(element[:m], bits, codes[start * bits // 8:stop * bits // 8])
+                pack(element[:m], bits, codes, n, start)
         return [codes, *scales]
 
     def decode(self, tensors: list[torch.Tensor], n: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,10 +159,18 @@ class BlockFormat:
                             dtype=torch.int32, device=codes.device)
         bits = self.element_bits
         for start, stop in minifloat._slabs(n, codes.device, self.block):
-            chosen = pair_index(codes[start * bits // 8:stop * bits // 8], bits, index[:(stop - start) // 2])
+            chosen = pair_index(codes, bits, n, start, stop, index[:(stop - start) // 2])
             torch.index_select(table, 0, chosen, out=out[start:stop].view(torch.int64))
             out[start:stop].view(-1, self.block).mul_(scale[start // self.block:stop // self.block, None])
         return out
+
+
+def e8m0_value(code: torch.Tensor) -> torch.Tensor:
+    """``2^(code - 127)`` for the uint8 E8M0 ``code`` (``2^-127`` is fp32's subnormal ``2^22`` bits), NaN for 255,
+    built from its bits."""
+    bits = code.to(torch.int32).bitwise_left_shift_(23)
+    bits.masked_fill_(code == 0, 1 << 22).masked_fill_(code == 255, 0x7FC00000)
+    return bits.view(torch.float32)
 
 
 _MX = {"mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3", "mxfp4": "e2m1"}

@@ -7,18 +7,22 @@ E4M3 gives up its top code ``S.1111.111`` to NaN and has no infinities; E5M2 is 
 infinity, ``S.11111.{01,10,11}`` NaN); E3M2, E2M3 and E2M1 use every code for a number.
 
 The encoders are whole-tensor integer and float operations (no search per element, no host sync). Round to
-nearest adds a magic number, a power of two whose ulp is the format's step at the entry (``2^(max(E, emin) + 23 -
-m)``), so that fp32's own addition rounds to nearest even at the right step, subnormals included; the code is
-read off the sum's bits. Stochastic rounding scales the magnitude so that the format's smallest normal lands on
-fp32's (its codes are then exactly the fp32 bit patterns with their low ``23 - m`` bits zero, subnormals too), adds
-a uniform integer in ``[0, 2^(23 - m))`` to the bits and truncates: rounded up with probability equal to the
-distance to the lower neighbour over the step, always to one of the two neighbours. On the CPU the tensor is
-taken in slabs of ``SLAB`` entries so that the dozen passes stay in cache (a fixed number of slabs per bucket,
-none per block); on a device it is taken whole.
+nearest goes through torch's float8 casts where one holds the format (``cast_codes``: E4M3 and E5M2 as they are,
+E2M3 and E3M2 scaled by a power of two onto E4M3's and E5M2's grids, the same codes below the sign); E2M1 adds a
+magic number, a power of two whose ulp is the format's step at the entry (``2^(max(E, emin) + 23 - m)``), so that
+fp32's own addition rounds to nearest even at the right step, subnormals included, and reads the code off the
+sum's bits. Stochastic rounding scales the magnitude so that the format's smallest normal lands on fp32's (its
+codes are then exactly the fp32 bit patterns with their low ``23 - m`` bits zero, subnormals too), adds a uniform
+integer in ``[0, 2^(23 - m))`` to the bits and truncates: rounded up with probability equal to the distance to
+the lower neighbour over the step (exactly, to the resolution of fp32's subnormals, which the scaling must not
+flush: ``torch.set_flush_denormal(True)`` breaks it), always to one of the two neighbours. On the CPU the tensor
+is taken in slabs of ``SLAB`` entries so that the passes stay in cache (a fixed number of slabs per bucket, none
+per block); on a device it is taken whole.
 """
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +44,7 @@ class Minifloat:
     max: float
     nan_code: int | None = None
     inf_code: int | None = None
+    carrier: str | None = None  # a torch float8 format whose codes hold this one's (see ``cast_codes``)
 
     @property
     def bits(self) -> int:
@@ -53,7 +58,7 @@ class Minifloat:
     @property
     def emax(self) -> int:
         """The exponent of the largest normal (``floor(log2(max))``): MX's ``emax_elem``."""
-        return int(torch.tensor(self.max).log2().floor().item())
+        return math.frexp(self.max)[1] - 1
 
     @property
     def min_normal(self) -> float:
@@ -77,11 +82,35 @@ class Minifloat:
         return 2.0 ** (exponent - self.bias) * (1 + mantissa / 2 ** self.mbits)
 
 
+_CARRIERS = {"e4m3": (torch.float8_e4m3fn, -6), "e5m2": (torch.float8_e5m2, -14)}  # dtype, emin
+
+
+def alignment(fmt: Minifloat) -> float:
+    """The power of two that puts ``fmt``'s smallest normal on its carrier's (1 without a carrier): scaled by it,
+    ``fmt``'s values are exactly the carrier's up to ``max * alignment``, with the same codes below the sign."""
+    return 2.0 ** (_CARRIERS[fmt.carrier][1] - fmt.emin) if fmt.carrier else 1.0
+
+
+def cast_codes(aligned: torch.Tensor, fmt: Minifloat, out: torch.Tensor, spare: torch.Tensor) -> torch.Tensor:
+    """Round to nearest even by torch's float8 cast: the codes of ``aligned`` (fp32 values already multiplied by
+    ``alignment(fmt)``; clamped here, in place) written into ``out`` (uint8); ``spare`` is a uint8 buffer of the
+    same length. The cast rounds to nearest even, subnormals included; a NaN gives the carrier's NaN code, which
+    for a 6-bit format is ±max (the code ``S.11111``... cut to the format's fields)."""
+    dtype, _ = _CARRIERS[fmt.carrier]
+    top = fmt.max * alignment(fmt)
+    out.view(dtype).copy_(aligned.clamp_(-top, top))
+    if fmt.bits == 8:
+        return out
+    # S.EEEEE.MM (or S.EEEE.MMM) -> S.EEE.MM (S.EE.MMM): the value's fields fit the low 5 bits; the sign moves down
+    sign = torch.bitwise_right_shift(out, 2, out=spare).bitwise_and_(0x20)
+    return out.bitwise_and_(0x1F).bitwise_or_(sign)
+
+
 FORMATS: dict[str, Minifloat] = {f.name: f for f in (
-    Minifloat("e4m3", 4, 3, 7, 448.0, nan_code=0x7F),
-    Minifloat("e5m2", 5, 2, 15, 57344.0, nan_code=0x7F, inf_code=0x7C),
-    Minifloat("e3m2", 3, 2, 3, 28.0),
-    Minifloat("e2m3", 2, 3, 1, 7.5),
+    Minifloat("e4m3", 4, 3, 7, 448.0, nan_code=0x7F, carrier="e4m3"),
+    Minifloat("e5m2", 5, 2, 15, 57344.0, nan_code=0x7F, inf_code=0x7C, carrier="e5m2"),
+    Minifloat("e3m2", 3, 2, 3, 28.0, carrier="e5m2"),
+    Minifloat("e2m3", 2, 3, 1, 7.5, carrier="e4m3"),
     Minifloat("e2m1", 2, 1, 1, 6.0),
 )}
 
@@ -151,28 +180,43 @@ def work_for(n: int, device: torch.device) -> Work:
     return Work(min(n, SLAB) if device.type == "cpu" else n, device)
 
 
+_CONSTANTS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _k(value: int, device: torch.device) -> torch.Tensor:
+    """``value`` as a 0-d int32 tensor on ``device`` (kept): an operand that costs no conversion per call."""
+    key = (value, str(device))
+    found = _CONSTANTS.get(key)
+    if found is None:
+        found = _CONSTANTS[key] = torch.tensor(value, dtype=torch.int32, device=device)
+    return found
+
+
 def encode_slab(values: torch.Tensor, fmt: Minifloat, out: torch.Tensor, work: Work, rounding: str = "nearest",
-                generator: torch.Generator | None = None) -> torch.Tensor:
+                generator: torch.Generator | None = None, nan: bool = True) -> torch.Tensor:
     """The codes of the fp32 ``values`` (one slab, contiguous; left as they were) written into ``out`` (uint8, the
-    same length); ``work`` holds the slab's buffers."""
-    n = values.numel()
+    same length); ``work`` holds the slab's buffers. ``nan=False``: the caller has no use for the codes of NaN
+    entries (a block layer whose scale says NaN), which are then some byte."""
+    n, device = values.numel(), values.device
     a, bits, sign = work.take(n)
-    # the sign bit moved to the code's top bit (an arithmetic shift, then a mask)
-    torch.bitwise_right_shift(values.view(torch.int32), 32 - fmt.bits, out=sign).bitwise_and_(fmt.sign_bit)
-    torch.abs(values, out=a).clamp_max_(fmt.max).nan_to_num_(nan=fmt.nan_fill)  # saturated; NaN as nan_fill
+    torch.bitwise_right_shift(values.view(torch.int32), _k(31, device), out=sign)  # -1 for a negative entry, else 0
+    torch.abs(values, out=a).clamp_max_(fmt.max)  # saturated
+    if nan:
+        a.nan_to_num_(nan=fmt.nan_fill)
     shift = 23 - fmt.mbits
     a_bits = a.view(torch.int32)
     if rounding == "nearest":
         # magic = 2^(max(E, emin) + shift): its ulp is the format's step at the entry
-        torch.bitwise_and(a_bits, _EXPONENT, out=bits).clamp_min_((fmt.emin + 127) << 23).add_(shift << 23)
+        torch.bitwise_and(a_bits, _k(_EXPONENT, device), out=bits)
+        bits.clamp_min_(_k((fmt.emin + 127) << 23, device)).add_(_k(shift << 23, device))
         a.add_(bits.view(torch.float32))  # fp32 rounds to nearest even at that step
-        a_bits.sub_(bits)  # the step count above the magic: in [0, 2^(m+1)]
-        a_bits.add_(bits.bitwise_right_shift_(shift)).add_(sign)  # + (biased E of the magic) << m, + the sign
-        out.copy_(a_bits)  # mod 256; the constant below takes the rest
+        # code = sum - magic + (biased E of the magic) << m, the last two as one multiple of magic >> shift
+        a_bits.sub_(bits.bitwise_right_shift_(_k(shift, device)), alpha=(1 << shift) - 1)
+        out.copy_(a_bits.sub_(sign, alpha=fmt.sign_bit))  # + the sign; mod 256, the constant below takes the rest
         return out.sub_(((fmt.emin + 127 + shift) << fmt.mbits) & 0xFF)
     a.mul_(2.0 ** (-126 - fmt.emin))  # the format's codes = fp32 bits >> shift, subnormals too
-    torch.randint(0, 1 << shift, (n,), generator=generator, dtype=torch.int32, device=values.device, out=bits)
-    a_bits.add_(bits).bitwise_right_shift_(shift).add_(sign)
+    torch.randint(0, 1 << shift, (n,), generator=generator, dtype=torch.int32, device=device, out=bits)
+    a_bits.add_(bits).bitwise_right_shift_(_k(shift, device)).sub_(sign, alpha=fmt.sign_bit)
     return out.copy_(a_bits)
 
 
@@ -197,7 +241,11 @@ def encode(x: torch.Tensor, fmt: Minifloat | str, rounding: str = "nearest",
         out = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
     work = work_for(flat.numel(), x.device)
     for start, stop in _slabs(flat.numel(), x.device):
-        encode_slab(flat[start:stop], fmt, out[start:stop], work, rounding, generator)
+        if rounding == "nearest" and fmt.carrier:
+            a = torch.mul(flat[start:stop], alignment(fmt), out=work.f[:stop - start])
+            cast_codes(a, fmt, out[start:stop], work.s.view(torch.uint8)[:stop - start])
+        else:
+            encode_slab(flat[start:stop], fmt, out[start:stop], work, rounding, generator)
     return out
 
 

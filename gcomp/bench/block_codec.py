@@ -1,0 +1,62 @@
+"""The block-scaled formats' codec speed (``gcomp.compressors.block_formats``): encode, decode and both, each as a
+ratio to a plain copy of the bucket, on one CPU thread, timed interleaved (``timing.median_times``) on the process's
+CPU time, so that a loaded shared machine slows every operation alike.
+
+    python -m gcomp.bench.block_codec --size-mb 64 --repeats 5 [--rounding stochastic] [--formats mxfp4 nvfp4]
+
+The decode writes into a preallocated fp32 buffer (as a method's decode into its bucket would); the encode
+allocates its wire tensors, as it does in a method.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from gcomp.bench.timing import median_times
+from gcomp.compressors.block_formats import NAMES, block_format
+
+
+def run(size_mb: float = 64, repeats: int = 5, rounding: str = "nearest", formats=NAMES) -> list[dict]:
+    torch.set_num_threads(1)
+    n = int(size_mb * 2 ** 20) // 4 // 128 * 128
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    dst = torch.empty_like(x)
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for name in formats:
+        fmt = block_format(name)
+        wire = fmt.encode(x, rounding, generator)
+        times = median_times({
+            "copy": lambda: dst.copy_(x),
+            "encode": lambda: fmt.encode(x, rounding, generator),
+            "decode": lambda: fmt.decode(wire, n, out=dst),
+        }, repeats, time.process_time)
+        copy = times["copy"]
+        rows.append({"format": name, "bits": fmt.bits_per_entry, "copy_ms": copy * 1e3,
+                     "encode": times["encode"] / copy, "decode": times["decode"] / copy,
+                     "both": (times["encode"] + times["decode"]) / copy})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| format | bits/entry | encode / copy | decode / copy | encode + decode / copy |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['format']} | {r['bits']:g} | {r['encode']:.2f} | {r['decode']:.2f} | {r['both']:.2f} |"
+              for r in rows]
+    return "\n".join(lines) + f"\n\n(copy: {rows[0]['copy_ms']:.1f} ms)" if rows else ""
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounding", choices=["nearest", "stochastic"], default="nearest")
+    parser.add_argument("--formats", nargs="+", default=list(NAMES))
+    args = parser.parse_args(argv)
+    print(markdown(run(args.size_mb, args.repeats, args.rounding, args.formats)))
+
+
+if __name__ == "__main__":
+    main()
