@@ -71,7 +71,10 @@ class BlockScaledCompressor(Compressor):
         self.stateful = self.holds_gradient = error_feedback
         self.stream = DeviceStream(seed, f"block-scaled {fmt_name}")
         self._owner = BucketState(("owner_error",), owner=f"{fmt_name} owner error")
-        self._rows = Scratch(slots=1)  # the padded fp32 bucket encoded from (memory, not state)
+        # memory, not state: the padded fp32 bucket encoded from, the own payload decoded for the residual, and
+        # the results (DDP holds one into the next step: two kept)
+        self._rows, self._decoded, self._results = Scratch(slots=1), Scratch(slots=1), Scratch(slots=2)
+        self._sums, self._row = Scratch(slots=1), Scratch(slots=1)  # the owner's sum, a chunk decoded into it
         self.world, self.rank = 1, 0
 
     def bind(self, model, group, stats) -> None:
@@ -95,10 +98,10 @@ class BlockScaledCompressor(Compressor):
             return [part.unsqueeze(0) for part in encoded[0]]
         return [torch.stack(parts) for parts in zip(*encoded)]
 
-    def decode_rows(self, tensors, width: int) -> torch.Tensor:
-        """The ``(R, width)`` fp32 decode of stacked rows, each decoded straight into its place."""
+    def decode_rows(self, tensors, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``(R, width)`` fp32 decode of stacked rows, each decoded straight into its place (in ``out``)."""
         rows = tensors[0].shape[0]
-        out = torch.empty(rows, width, dtype=torch.float32, device=tensors[0].device)
+        out = torch.empty(rows, width, dtype=torch.float32, device=tensors[0].device) if out is None else out
         for r in range(rows):
             self.fmt.decode([t[r] for t in tensors], width, out=out[r])
         return out
@@ -137,7 +140,8 @@ class BlockScaledCompressor(Compressor):
     def decompress(self, tensors, ctx: RowsCtx) -> torch.Tensor:
         """What this rank's payload carries of the tensor it was compressed from (its own rounding, before any
         exchange): what the error-feedback memory subtracts."""
-        out = self.decode_rows(tensors, ctx.width)
+        kept = self._decoded.take(ctx.bucket, ctx.rows * ctx.width, torch.float32, tensors[0].device)
+        out = self.decode_rows(tensors, ctx.width, kept.view(ctx.rows, ctx.width))
         flat = out[:, :ctx.valid].reshape(-1) if ctx.valid is not None else out.view(-1)[:ctx.numel]
         if ctx.stray is not None:
             flat = flat - ctx.stray
@@ -145,10 +149,13 @@ class BlockScaledCompressor(Compressor):
 
     # --- the second phase and the result ---------------------------------------------------------------------
 
-    def sum_received(self, received, width: int, dtype: torch.dtype) -> torch.Tensor:
+    def sum_received(self, received, width: int, dtype: torch.dtype, bucket: BucketInfo) -> torch.Tensor:
         """The fp32 (fp64 for fp64 buckets) sum of the ``(N, width)`` received chunks, decoded, in rank order."""
-        total = self.fmt.decode([t[0] for t in received], width).to(torch.promote_types(torch.float32, dtype))
-        row = torch.empty(width, dtype=torch.float32, device=total.device) if received[0].shape[0] > 1 else None
+        device = received[0].device
+        total = self.fmt.decode([t[0] for t in received], width,
+                                out=self._sums.take(bucket, width, torch.float32, device))
+        total = total.to(torch.promote_types(torch.float32, dtype))
+        row = self._row.take(bucket, width, torch.float32, device) if received[0].shape[0] > 1 else None
         for r in range(1, received[0].shape[0]):
             total += self.fmt.decode([t[r] for t in received], width, out=row)
         return total
@@ -156,7 +163,7 @@ class BlockScaledCompressor(Compressor):
     def second_phase(self, received, ctx: RowsCtx) -> list[torch.Tensor]:
         """This rank's chunk: the sum of what every rank sent for it, plus the owner's kept error, re-encoded;
         the new error (the sum less its decode) is kept."""
-        total = self.sum_received(received, ctx.width, ctx.dtype)
+        total = self.sum_received(received, ctx.width, ctx.dtype, ctx.bucket)
         low, high = self.rank * ctx.width, min(ctx.numel, (self.rank + 1) * ctx.width)
         error = None
         if self.error_feedback and high > low:
@@ -164,13 +171,16 @@ class BlockScaledCompressor(Compressor):
             total[:high - low] += error[low:high]
         encoded = self.encode_rows(total.float().view(1, -1))
         if error is not None:
-            sent = self.fmt.decode([t[0] for t in encoded], ctx.width)[:high - low]
-            error[low:high] = torch.nan_to_num(total[:high - low] - sent, nan=0.0, posinf=0.0, neginf=0.0)
+            sent = self.fmt.decode([t[0] for t in encoded], ctx.width,
+                                   out=self._row.take(ctx.bucket, ctx.width, torch.float32, total.device))[:high - low]
+            mine = torch.sub(total[:high - low], sent, out=error[low:high])
+            torch.nan_to_num_(mine, nan=0.0, posinf=0.0, neginf=0.0)
         return encoded
 
     def aggregate(self, gathered, ctx: RowsCtx) -> torch.Tensor:
         """Every owner's re-encoded sum, decoded: the mean gradient (the hook divided by N before)."""
-        out = self.decode_rows(gathered, ctx.width).view(-1)[:ctx.numel]
+        kept = self._results.take(ctx.bucket, gathered[0].shape[0] * ctx.width, torch.float32, gathered[0].device)
+        out = self.decode_rows(gathered, ctx.width, kept.view(-1, ctx.width)).view(-1)[:ctx.numel]
         return out.to(ctx.dtype).view(ctx.shape)
 
     # --- the owner's error: state ----------------------------------------------------------------------------

@@ -22,5 +22,5 @@ class TwoPhaseRows(RowStrategy):
         return all_to_all_rows(payload.tensors, group, stats)
 
     def decode(self, compressor, received, payload, layout, output):
-        total = compressor.sum_received(received, payload.ctx.width, output.dtype)
+        total = compressor.sum_received(received, payload.ctx.width, output.dtype, payload.ctx.bucket)
         output.view(-1).copy_(total[:payload.ctx.valid])
