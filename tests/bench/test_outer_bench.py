@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gcomp.bench import report
+from gcomp.bench import report, simulate
 from gcomp.bench.methods import parse_method
 from gcomp.bench.outer_spec import ADAMW_LR, DEFAULTS, is_outer, parse_outer
 from gcomp.bench.runner import BenchConfig
@@ -96,3 +96,7 @@ def test_a_brief_unshaped_race_of_an_outer_loop_beside_all_reduce(tmp_path, caps
     assert "diloco:every=3,method=identity: 2 outer steps in 6 inner steps" in printed
     assert "| outer steps |" in (out / "summary.md").read_text()
     assert max(len(line) for line in printed.splitlines() if line.startswith("|")) <= 100
+    # gcomp simulate models per-step runs only: it leaves the outer loops out
+    assert simulate.main(["--results", str(out / "results.json"), "--workers", "8", "--bandwidth", "1gbit"]) == 0
+    projected = json.loads((out / "simulate.json").read_text())["rows"]
+    assert {r["method"] for r in projected} == {"identity"}
