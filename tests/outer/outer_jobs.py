@@ -216,3 +216,22 @@ def job_nodes(steps: int) -> dict:
             seen.append(models.flat_params(model.module).clone())
     return {"seen": seen, "stats": dict(outer.stats)}
 
+
+
+def job_tampered(name: str) -> str:
+    """The last rank changes one entry of the global copy of ``name`` before an outer step: what each rank
+    raised there."""
+    rank = dist.get_rank()
+    model, opt, outer = _made(sync_every=2)
+    _run(model, opt, outer, 0, 1)
+    if rank == dist.get_world_size() - 1:
+        for b in (b for f in outer.layout for b in f):
+            if name in b.info.names:
+                at = b.info.offsets[b.info.names.index(name)]
+                with torch.no_grad():
+                    outer.theta[b.info.index][at + 1] += 1e-3
+    try:
+        _run(model, opt, outer, 1, 1)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
