@@ -122,9 +122,9 @@ def _check(text: str, params: dict) -> None:
     if params["fragments"] > params["every"]:
         raise ValueError(f"--outer {text!r}: fragments ({params['fragments']}) above every ({params['every']}): "
                          "each fragment needs its own step of the H")
-    if params["overlap"] >= params["every"]:
-        raise ValueError(f"--outer {text!r}: overlap ({params['overlap']}) must be below every "
-                         f"({params['every']})")
+    if params["overlap"] * params["fragments"] >= params["every"]:
+        raise ValueError(f"--outer {text!r}: overlap ({params['overlap']}) must be below every / fragments "
+                         f"({params['every']} / {params['fragments']}): a fragment lands before the next leaves")
     method = params["method"]
     if method.startswith("torch:") or method.partition(":")[0] in OUTER_LOOPS:
         raise ValueError(f"--outer {text!r}: method must be a gcomp method (gcomp list); got {method!r}")

@@ -40,7 +40,8 @@ def test_the_inner_lr_is_the_races_for_sgd_and_adamws_default_for_adamw():
     ("diloco:every", "'every' is not key=value"),
     ("diloco:every=5,every=6", "every is given twice"),
     ("diloco:every=4,fragments=5", "fragments (5) above every (4)"),
-    ("diloco:every=4,overlap=4", "overlap (4) must be below every (4)"),
+    ("diloco:every=4,overlap=4", "overlap (4) must be below every / fragments (4 / 1)"),
+    ("diloco:every=8,fragments=2,overlap=4", "overlap (4) must be below every / fragments (8 / 2)"),
     ("diloco:method=torch:fp16", "method must be a gcomp method"),
     ("diloco:method=topkk", "method 'topkk'"),
     ("diloco:method=topk:ratio=0.05,every=50", "so every went to it: put method last, or in brackets"),
@@ -75,17 +76,16 @@ def test_the_full_table_has_an_outer_steps_column_and_the_short_one_a_note():
 
 
 def test_a_brief_unshaped_race_of_an_outer_loop_beside_all_reduce(tmp_path, capsys):
-    pytest.importorskip("gcomp.outer")
     out = tmp_path / "run"
     code = main(["bench", "--workers", "2", "--bandwidth", "none", "--steps", "6", "--eval-every", "3",
                  "--model", "mlp:32", "--pretrain-epochs", "0", "--method", "identity", "--out", str(out),
-                 "--outer", "diloco:every=3,method=identity;diloco:every=2,method=fp16,inner=adamw"])
+                 "--outer", "diloco:every=3,method=identity;diloco:every=2,inner=adamw,method=fp16"])
     assert code == 0
     printed = capsys.readouterr().out
     runs = {r["method"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
-    assert list(runs) == ["identity", "diloco:every=3,method=identity", "diloco:every=2,method=fp16,inner=adamw"]
+    assert list(runs) == ["identity", "diloco:every=3,method=identity", "diloco:every=2,inner=adamw,method=fp16"]
     params = runs["identity"]["parameters"]
-    plain, half = runs["diloco:every=3,method=identity"], runs["diloco:every=2,method=fp16,inner=adamw"]
+    plain, half = runs["diloco:every=3,method=identity"], runs["diloco:every=2,inner=adamw,method=fp16"]
     assert (plain["outer_steps"], half["outer_steps"]) == (2, 3)
     assert [h["step"] for h in plain["history"]] == [3, 6] and [h["step"] for h in half["history"]] == [2, 4, 6]
     assert plain["bytes_dense_per_step"] == half["bytes_dense_per_step"] == 4 * params
