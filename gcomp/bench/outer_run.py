@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from gcomp.bench.devices import synchronize
 from gcomp.bench.quiet import Progress, on_terminal
-from gcomp.bench.rate_control import NoSwitch
 from gcomp.bench.workloads import accuracy, loss_fn, make_model
 
 
@@ -45,11 +44,10 @@ def outer_optimizer(method):
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
-def run_outer(method, config: dict, data, pretrained: dict | None, log,
-              device: torch.device = torch.device("cpu"), switch=NoSwitch()) -> dict:
-    """One outer-loop job's row (``gcomp.bench.worker.summarise``'s keys, with ``outer_steps``, ``sync_every``
-    and ``local_history``)."""
-    from gcomp.bench.worker import batches, summarise
+def run_outer(method, config: dict, data, pretrained: dict | None, log, device: torch.device, switch,
+              batches, summarise) -> dict:
+    """One outer-loop job's row: ``summarise``'s keys (the worker's, which hands it and its ``batches`` over),
+    with ``outer_steps``, ``sync_every`` and ``local_history``."""
     from gcomp.outer import DiLoCo
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(config["model"], data, config["seed"])

@@ -20,6 +20,9 @@ import difflib
 import math
 from dataclasses import dataclass, field
 
+import gcomp
+from gcomp.registry import parse_spec
+
 OUTER_LOOPS = ("diloco",)
 INNER = ("sgd", "adamw")
 ADAMW_LR = 1e-3  # torch.optim.AdamW's default
@@ -43,8 +46,8 @@ class OuterMethod:
 
     @property
     def collective(self) -> str:
-        from gcomp.bench.methods import parse_method
-        return f"every {self.params['every']}: {parse_method(self.params['method']).collective}"
+        name, params = parse_spec(self.params["method"])
+        return f"every {self.params['every']}: {gcomp.create(name, **params).collective or name}"
 
     def inner_lr(self, race_lr: float) -> float:
         """The inner optimizer's learning rate: as given, else the race's for sgd and AdamW's default."""
@@ -113,7 +116,6 @@ def _value(text: str, key: str, value: str):
 
 
 def _check(text: str, params: dict) -> None:
-    from gcomp.bench.methods import parse_method
     if params["inner"] not in INNER:
         raise ValueError(f"--outer {text!r}: inner must be one of {', '.join(INNER)}"
                          f"{_hint(params['inner'], INNER)}; got {params['inner']!r}")
@@ -129,7 +131,8 @@ def _check(text: str, params: dict) -> None:
     if method.startswith("torch:") or method.partition(":")[0] in OUTER_LOOPS:
         raise ValueError(f"--outer {text!r}: method must be a gcomp method (gcomp list); got {method!r}")
     try:
-        parse_method(method)
+        name, nested = parse_spec(method)  # unknown names (with close names), keys and types
+        gcomp.create(name, **nested)  # its values, now rather than in a worker
     except ValueError as err:
         swallowed = [k for k in DEFAULTS if f",{k}=" in method]
         if swallowed:
