@@ -6,8 +6,8 @@ sits in brackets anywhere (``diloco:method=[topk:ratio=0.05],every=50``). The ke
 
 - ``every``: inner steps between outer syncs (``sync_every``, H), default 50;
 - ``method``: what reduces the outer gradient, a gcomp method spec (default ``identity``);
-- ``fragments``, ``overlap``: Streaming DiLoCo's fragment count and the inner steps a fragment's reduction is
-  in flight (defaults 1 and 0: plain DiLoCo);
+- ``fragments``, ``overlap``: Streaming DiLoCo's fragment count (at most ``every``) and the inner steps a
+  fragment's reduction is in flight (below ``every / fragments``; defaults 1 and 0: plain DiLoCo);
 - ``lr``, ``momentum``: the outer SGD's, Nesterov when momentum is above 0 (the DiLoCo paper's 0.7 and 0.9);
 - ``inner``: ``sgd`` (default: the optimizer every per-step method of the race runs, SGD with the race's
   ``--lr`` and momentum 0.9, so that the outer loop is the one difference) or ``adamw`` (as the DiLoCo paper;
