@@ -60,3 +60,16 @@ def test_two_nodes_of_two_with_an_inner_ddp():
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(other["seen"], first))
     assert results[0]["stats"]["bytes_sent"] > 0
+
+
+def test_every_method_that_does_not_read_the_model_runs_the_outer_loop():
+    import gcomp
+
+    names = [n for n in gcomp.available() if not gcomp.create(n).reads_model]
+    results = run_ranks(3, jobs.job_every_method, names, 6, timeout=300)
+    for name in names:
+        first = results[0][name]
+        assert "error" not in first, f"{name}: {first['error']}"
+        assert first["outer_steps"] == 3 and first["sent"] > 0, (name, first)
+        for other in results[1:]:
+            assert torch.equal(other[name]["params"], first["params"]), name
