@@ -91,6 +91,7 @@ def job_streaming(steps: int, **kw) -> dict:
             acted.append(step + 1)
         after.append(torch.cat([t.detach().reshape(-1) for t in outer.theta]).clone())
     return {"start": start, "acted": acted, "theta": after, "stats": dict(outer.stats),
+            "params": models.flat_params(model).clone(),
             "fragments": [[n for b in f for n in b.info.names] for f in outer.layout]}
 
 

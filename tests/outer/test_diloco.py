@@ -44,6 +44,14 @@ def test_streaming_keeps_replicas_bit_identical_and_follows_the_schedule():
     assert len(names) == len(set(names)) == 6 and all(r["fragments"])
 
 
+def test_a_partial_merge_keeps_the_global_copy_identical_and_the_replicas_their_own():
+    results = run_ranks(2, jobs.job_streaming, 8, sync_every=4, alpha=0.5)
+    assert results[0]["stats"]["outer_steps"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["theta"], results[1]["theta"]))
+    assert not torch.equal(results[0]["params"], results[1]["params"])  # half of each rank's own steps kept
+    assert not torch.equal(results[0]["params"], results[0]["theta"][-1])
+
+
 def test_a_dead_peer_during_an_outer_reduction_raises_on_every_survivor():
     ranks = run_ranks(3, jobs.job_peer_dies, 3, timeout=60)
     assert ranks[-1].get("died")
