@@ -109,7 +109,9 @@ class DiLoCoCallback(Callback):
     ``inner_group``: ``gcomp.outer.keep_local``), and every ``sync_every`` optimizer steps the outer gradient is
     reduced through ``method``. ``callback.outer`` is the ``DiLoCo`` (None before ``fit``); checkpoints carry it
     (every rank's part gathered to rank 0). ``options`` go to ``DiLoCo`` (``outer_optimizer``, ``fragments``,
-    ``overlap``, ``group``, ...); arguments are checked when the callback is made."""
+    ``overlap``, ``group``, ...); arguments are checked when the callback is made. On the wire: the outer
+    loop's (``gcomp.outer.DiLoCo``: the method's collective every ``sync_every`` steps), and nothing per step
+    beyond ``inner_group``'s all-reduce when one is given."""
 
     def __init__(self, sync_every: int = 50, method="identity", inner_group=None, **options):
         from gcomp.outer import arguments
