@@ -9,5 +9,6 @@ gradient (``docs/outer.md``).
 from gcomp.outer.arguments import default_outer_optimizer
 from gcomp.outer.diloco import DiLoCo
 from gcomp.outer.fragments import due, offset, split
+from gcomp.outer.local_hook import keep_local
 
-__all__ = ["DiLoCo", "default_outer_optimizer", "due", "offset", "split"]
+__all__ = ["DiLoCo", "default_outer_optimizer", "due", "keep_local", "offset", "split"]

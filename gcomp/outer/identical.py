@@ -32,7 +32,7 @@ def _gather(codes: torch.Tensor, group) -> torch.Tensor:
 def check_identical(what: str, flats: list[torch.Tensor], layouts: list, group) -> None:
     """``flats`` (one flat tensor per bucket, ``layouts`` their ``BucketInfo``) are the same on every rank of
     ``group``; else a ``RuntimeError`` on every rank naming the first parameter that differs."""
-    if group is False or dist.get_world_size(group) == 1:
+    if dist.get_world_size(group) == 1:
         return
     codes = torch.stack([bits_digest(f) for f in flats]).cpu()
     table = _gather(codes, group)

@@ -91,6 +91,7 @@ def job_streaming(steps: int, **kw) -> dict:
             acted.append(step + 1)
         after.append(torch.cat([t.detach().reshape(-1) for t in outer.theta]).clone())
     return {"start": start, "acted": acted, "theta": after, "stats": dict(outer.stats),
+            "params": models.flat_params(model).clone(),
             "fragments": [[n for b in f for n in b.info.names] for f in outer.layout]}
 
 
@@ -235,3 +236,23 @@ def job_tampered(name: str) -> str:
     except RuntimeError as err:
         return str(err)
     return "no error"
+
+
+def job_every_method(names: list[str], steps: int) -> dict:
+    """Each method on the outer loop (sync_every=2): its parameters after ``steps`` steps, or its error."""
+    rank = dist.get_rank()
+    out = {}
+    for name in names:
+        model = models.mlp(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            outer = gcomp.outer.DiLoCo(model, sync_every=2, method=name, bucket_mb=0.002)
+            for step in range(steps):
+                _inner_step(model, opt, step, rank)
+                outer.step()
+            out[name] = {"params": models.flat_params(model).clone(), "outer_steps": outer.stats["outer_steps"],
+                         "sent": outer.stats["bytes_sent"]}
+        except Exception as err:  # noqa: BLE001 -- the test names it
+            out[name] = {"error": f"{type(err).__name__}: {err}"}
+        dist.barrier()
+    return out

@@ -44,6 +44,14 @@ def test_streaming_keeps_replicas_bit_identical_and_follows_the_schedule():
     assert len(names) == len(set(names)) == 6 and all(r["fragments"])
 
 
+def test_a_partial_merge_keeps_the_global_copy_identical_and_the_replicas_their_own():
+    results = run_ranks(2, jobs.job_streaming, 8, sync_every=4, alpha=0.5)
+    assert results[0]["stats"]["outer_steps"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["theta"], results[1]["theta"]))
+    assert not torch.equal(results[0]["params"], results[1]["params"])  # half of each rank's own steps kept
+    assert not torch.equal(results[0]["params"], results[0]["theta"][-1])
+
+
 def test_a_dead_peer_during_an_outer_reduction_raises_on_every_survivor():
     ranks = run_ranks(3, jobs.job_peer_dies, 3, timeout=60)
     assert ranks[-1].get("died")
@@ -60,3 +68,16 @@ def test_two_nodes_of_two_with_an_inner_ddp():
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(other["seen"], first))
     assert results[0]["stats"]["bytes_sent"] > 0
+
+
+def test_every_method_that_does_not_read_the_model_runs_the_outer_loop():
+    import gcomp
+
+    names = [n for n in gcomp.available() if not gcomp.create(n).reads_model]
+    results = run_ranks(3, jobs.job_every_method, names, 6, timeout=300)
+    for name in names:
+        first = results[0][name]
+        assert "error" not in first, f"{name}: {first['error']}"
+        assert first["outer_steps"] == 3 and first["sent"] > 0, (name, first)
+        for other in results[1:]:
+            assert torch.equal(other[name]["params"], first["params"]), name
