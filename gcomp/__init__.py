@@ -17,6 +17,7 @@ from gcomp.process_exit import end_process
 from gcomp.registry import UnknownMethodError, available, create, describe, register, spec
 
 from gcomp import compressors, packing, pruning  # noqa: E402,F401  (registers the built-in methods)
+from gcomp import outer  # noqa: E402,F401  (gcomp.outer.DiLoCo)
 
 __version__ = "0.1.0"
 

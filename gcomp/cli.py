@@ -68,6 +68,8 @@ def _bench(args) -> int:
         config.fsdp = True
         if not args.method:
             config.methods = list(fsdp.DEFAULT_METHODS)
+    outers = [o for item in args.outer or [] for o in item.split(";") if o.strip()]
+    config.methods = config.methods + outers  # beside the per-step methods, in one table (gcomp.bench.outer_spec)
     if config.backend == "nccl" and args.bandwidth is None:
         config.bandwidth = "none"  # tc shapes TCP links, not NCCL's (runner.BenchConfig.check says why)
     out = Path(args.out or f"bench-results/{time.strftime('%Y%m%d-%H%M%S')}")
@@ -75,6 +77,8 @@ def _bench(args) -> int:
     try:
         if args.prune_ratio is not None:
             config.prune_ratio = _ratios(args.prune_ratio)
+        from gcomp.bench.outer_spec import parse_outer
+        [parse_outer(text) for text in outers]  # --outer takes outer loops only (a ValueError naming them)
         config.check()
         check_out(out)
         rows, network = runner.run(config, out)
@@ -101,7 +105,8 @@ def _bench(args) -> int:
     for bandwidth in dict.fromkeys(e["bandwidth"] for e in summary):
         if len(config.bandwidths()) > 1:
             print(f"\n### {bandwidth}")
-        print("\n" + report.markdown([e for e in summary if e["bandwidth"] == bandwidth]))
+        entries = [e for e in summary if e["bandwidth"] == bandwidth]
+        print("\n" + "\n\n".join(filter(None, (report.markdown(entries), report.outer_notes(entries)))))
     segments = report.segment_markdown(rows)
     if segments:
         unshaped = "" if meta["schedule_applied"] else " (not applied: the links were unshaped)"
@@ -225,6 +230,9 @@ def _main(argv: list[str]) -> int:
                        "0-4, fine-tuned on 5-9, 4 workers, 100mbit)")
     b.add_argument("--method", action="append", metavar="SPEC", help="a method (name or name:key=value,...; "
                    "torch:allreduce, torch:fp16, torch:powersgd); repeatable")
+    b.add_argument("--outer", action="append", metavar="SPEC", help="an outer loop raced beside the methods: "
+                   "diloco:every=50,method=fp16 (keys every, fragments, overlap, lr, momentum, inner=sgd|adamw, "
+                   "inner_lr; method last, or method=[...]); repeatable or ';'-separated")
     b.add_argument("--dataset", help="digits, text, cifar10, cifar100 or synthetic")
     b.add_argument("--model", help="mlp[:W1,W2], resnet18, vgg19, vit or charlm (--overhead: resnet50, "
                    "decoder[:WIDTH,DEPTH] or mlp[:W1,W2])")

@@ -33,6 +33,9 @@ def check_methods(methods: list[str]) -> None:
     options a row strategy refuses), naming those that can."""
     for text in methods:
         method = parse_method(text)
+        if getattr(method, "outer", False):
+            raise ValueError(f"--fsdp: {text} is an outer loop: each worker trains a whole model between syncs, "
+                             "not a shard; race it without --fsdp")
         if method.is_torch:
             if method.name != PLAIN:
                 raise ValueError(f"--fsdp: {text} is a DDP hook; under FSDP2 the baseline is {PLAIN} (plain FSDP2's "

@@ -54,9 +54,13 @@ class BenchMethod:
 
 
 def parse_method(text: str) -> BenchMethod:
-    """One of PyTorch's hooks, or ``name`` or ``name:key=value,...`` (``gcomp.registry.parse_spec``: values typed
+    """An outer loop (``diloco:...``, ``gcomp.bench.outer_spec``), one of PyTorch's hooks, or ``name`` or
+    ``name:key=value,...`` (``gcomp.registry.parse_spec``: values typed
     by the method's declared parameters), validated by creating the method."""
     text = text.strip()
+    from gcomp.bench.outer_spec import is_outer, parse_outer
+    if is_outer(text):  # an outer loop (gcomp bench --outer): its own spec, its own run
+        return parse_outer(text)
     if text in TORCH_HOOKS:
         return BenchMethod(text, text)
     if text.startswith("torch:"):

@@ -21,7 +21,7 @@ BASELINES = ("identity", "torch:allreduce")
 SUMMARISED = ("step_s", "compute_s_per_step", "encode_s_per_step", "comm_s_per_step", "decode_s_per_step",
               "bytes_sent_per_step", "bytes_dense_per_step", "compression", "final_loss", "final_accuracy",
               "target_accuracy", "time_to_target_s", "steps_to_target", "tta_speedup", "step_speedup",
-              "kept_fraction")
+              "kept_fraction", "outer_steps")
 RACE_FIGURES = ("time_to_target_s", "steps_to_target", "tta_speedup")
 NEVER = math.inf  # a run that never reached the target, as a time to accuracy
 
@@ -114,7 +114,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 def _entry(runs: list[dict]) -> dict:
     first = runs[0]
     entry = {key: first.get(key) for key in ("method", "name", "collective", "bandwidth", "bandwidth_bps",
-                                             "prune_ratio", "workers", "model", "dataset", "one_bucket")}
+                                             "prune_ratio", "workers", "model", "dataset", "one_bucket", "steps")}
     entry.update(seeds=len(runs), seed_list=[r.get("seed") for r in runs], ranges={},
                  reached=sum(r.get("time_to_target_s") is not None for r in runs))
     times = [_tta(r) for r in runs]

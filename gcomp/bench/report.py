@@ -14,7 +14,7 @@ CSV_FIELDS = ("method", "collective", "workers", "model", "dataset", "bandwidth"
               "step_s", "compute_s_per_step", "encode_s_per_step", "comm_s_per_step", "decode_s_per_step",
               "bytes_sent_per_step", "bytes_dense_per_step", "compression", "final_loss", "final_accuracy",
               "target_accuracy", "time_to_target_s", "steps_to_target", "tta_speedup", "step_speedup",
-              "kept_fraction", "one_bucket", "inter_bytes_per_step", "inter_bytes_dense_per_step")
+              "kept_fraction", "one_bucket", "inter_bytes_per_step", "inter_bytes_dense_per_step", "outer_steps")
 
 
 def _fmt(value, spec: str) -> str:
@@ -76,6 +76,8 @@ def markdown(rows: list[dict], full: bool = False) -> str:
                 "| steps to target | time to target s | TTA speedup | step speedup |")
     else:
         head = "| method | step ms | compression | final acc | time to target s | TTA speedup |"
+    outer = full and any(r.get("outer_steps") is not None for r in rows)
+    head += " outer steps |" if outer else ""
     if verdicts:
         best = next((r["best_torch_hook"] for r in rows if r.get("best_torch_hook")), None)
         head += f" TTA vs all-reduce | TTA vs best PyTorch hook ({best}) |" if full else " vs all-reduce |"
@@ -101,11 +103,22 @@ def markdown(rows: list[dict], full: bool = False) -> str:
                     f"| {target} | {speedup} | {_fmt(r.get('step_speedup'), '.2f')} |")
         else:
             line = f"| {name} | {step} | {compression} | {accuracy} | {target} | {speedup} |"
+        line += f" {_fmt(r.get('outer_steps'), '.0f')} |" if outer else ""
         if verdicts:
             line += (f" {r.get('vs_allreduce') or '—'} | {r.get('vs_best_torch_hook') or '—'} |" if full
                      else f" {r.get('vs_allreduce') or '—'} |")
         lines.append(line)
     return "\n".join(lines)
+
+
+def outer_notes(rows: list[dict]) -> str | None:
+    """Under the short table, a line per outer loop (``gcomp bench --outer``): the outer steps it took and its
+    bytes per inner step against per-step all-reduce's; None when there is none."""
+    lines = [f"{r['method']}: {_fmt(r.get('outer_steps'), '.0f')} outer steps in {r.get('steps', '?')} inner "
+             f"steps, {_fmt(r.get('bytes_sent_per_step'), ',.0f')} bytes per inner step "
+             f"({_fmt(r.get('compression'), ',.1f')}x fewer than a per-step fp32 all-reduce)"
+             for r in rows if r.get("outer_steps") is not None]
+    return "\n".join(["outer loops (accuracy read after each sync):"] + lines) if lines else None
 
 
 def segment_markdown(rows: list[dict]) -> str | None:

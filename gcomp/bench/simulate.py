@@ -94,7 +94,8 @@ def plot(rows: Sequence[dict], path):
 
 
 def load_runs(path: Path) -> list[dict]:
-    """The ``runs`` of a results file; ValueError with the reason when it is missing, unreadable or malformed."""
+    """The ``runs`` of a results file; ValueError with the reason when it is missing, unreadable or malformed.
+    Outer loops' runs (``gcomp bench --outer``) are left out: the model prices every step's collectives."""
     if not path.is_file():
         raise ValueError(f"results file {str(path)!r} not found")
     try:
@@ -107,7 +108,9 @@ def load_runs(path: Path) -> list[dict]:
     bad = [i for i, run in enumerate(runs) if not isinstance(run, dict)]
     if bad:
         raise ValueError(f"{str(path)!r}: runs {bad[:5]} are not JSON objects (one per method and run)")
-    return runs
+    if all(run.get("outer_steps") is not None for run in runs):
+        raise ValueError(f"{str(path)!r} holds outer loops' runs only, which gcomp simulate does not model")
+    return [run for run in runs if run.get("outer_steps") is None]
 
 
 def largest_run_per_method(runs: Sequence[dict]) -> list[dict]:

@@ -248,7 +248,12 @@ def main(argv: list[str] | None = None) -> int:
                 weights[path] = torch.load(path, weights_only=True)
             method = parse_method(text)
             load_start = os.getloadavg()[0]
-            row = run_method(method, {**config, **job}, data, weights.get(path), log, device, switch)
+            if getattr(method, "outer", False):  # gcomp bench --outer: the same batches and row
+                from gcomp.bench.outer_run import run_outer
+                row = run_outer(method, {**config, **job}, data, weights.get(path), log, device, switch,
+                                batches, summarise)
+            else:
+                row = run_method(method, {**config, **job}, data, weights.get(path), log, device, switch)
             tags = [f"seed {seed}"] if len(config["pretrained"]) > 1 else []
             if method.prunes:
                 tags.append(f"prune ratio {job['prune_ratio']}")

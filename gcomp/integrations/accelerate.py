@@ -15,10 +15,15 @@ process whatever ``--num_processes`` says (it starts several only through MPI), 
 on CPU runs every launched process alone: ``install`` refuses that, naming the fix. On one process
 ``prepare`` makes no DDP model: nothing is installed and a ``NotDistributed`` state is returned (``stats`` all
 zero, "not distributed: nothing compressed").
+
+DiLoCo (``gcomp.outer``): ``outer = gcomp_accelerate.diloco(accelerator, model, sync_every=50,
+method="topk:ratio=0.05")`` after ``prepare``, and ``outer.step()`` after each ``optimizer.step()``.
 """
 from __future__ import annotations
 
 from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
 
 from gcomp.attach import install as install_hook
 from gcomp.hook import HookState
@@ -53,3 +58,23 @@ def install(accelerator, model, name_or_method, **params) -> HookState | NotDist
     if not isinstance(state, NotDistributed):  # a hook state, or FSDP2's
         accelerator.register_for_checkpointing(GatheredHookState(state))
     return state
+
+
+def diloco(accelerator, model, sync_every: int = 50, method="identity", inner_group=None, **options):
+    """``gcomp.outer.DiLoCo`` on a model ``accelerator.prepare`` returned: the DDP model's steps kept local (or
+    within ``inner_group``: ``gcomp.outer.keep_local``), the outer state registered with
+    ``accelerator.register_for_checkpointing`` (every rank's part gathered into ``save_state``'s file). Call
+    ``outer.step()`` after each ``optimizer.step()``. ``options`` go to ``DiLoCo`` (``outer_optimizer``,
+    ``fragments``, ``overlap``, ...)."""
+    from gcomp.outer import DiLoCo, keep_local
+    from gcomp.outer.arguments import outer_method
+
+    alone = one_process_of_many(accelerator.num_processes)
+    if alone is not None:
+        outer_method(method)  # a bad spec is named first
+        raise ValueError(f"gcomp: {alone}")
+    outer = DiLoCo(model, sync_every=sync_every, method=method, inner_group=inner_group, **options)
+    if isinstance(model, DistributedDataParallel):
+        keep_local(model, inner_group)
+    accelerator.register_for_checkpointing(GatheredHookState(outer))
+    return outer

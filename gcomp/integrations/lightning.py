@@ -1,7 +1,10 @@
-"""gcomp in Lightning: a callback that installs the hook on the strategy's DDP model.
+"""gcomp in Lightning: a callback that installs the hook on the strategy's DDP model, and one that runs DiLoCo.
 
     from gcomp.integrations.lightning import GcompCallback
     trainer = L.Trainer(strategy="ddp", devices=2, callbacks=[GcompCallback("topk", ratio=0.01)])
+    # or DiLoCo (gcomp.outer): local steps, and every sync_every steps the outer gradient through the method
+    diloco = DiLoCoCallback(sync_every=50, method="topk:ratio=0.05")
+    trainer = L.Trainer(strategy="ddp", devices=2, callbacks=[diloco])
 
 Why a callback and not a strategy: ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`` registers the hook on
 CUDA only (on CPU it skips it without a word), and it saves no hook state in checkpoints. A callback works
@@ -99,3 +102,53 @@ class GcompCallback(Callback):
             raise RuntimeError("GcompCallback: the checkpoint holds a gcomp hook state but this run installs no hook "
                                "(one process?)")
         self.state.load_state_dict(saved)
+
+
+class DiLoCoCallback(Callback):
+    """DiLoCo (``gcomp.outer.DiLoCo``) in Lightning: the strategy's DDP model keeps its steps local (or within
+    ``inner_group``: ``gcomp.outer.keep_local``), and every ``sync_every`` optimizer steps the outer gradient is
+    reduced through ``method``. ``callback.outer`` is the ``DiLoCo`` (None before ``fit``); checkpoints carry it
+    (every rank's part gathered to rank 0). ``options`` go to ``DiLoCo`` (``outer_optimizer``, ``fragments``,
+    ``overlap``, ``group``, ...); arguments are checked when the callback is made. On the wire: the outer
+    loop's (``gcomp.outer.DiLoCo``: the method's collective every ``sync_every`` steps), and nothing per step
+    beyond ``inner_group``'s all-reduce when one is given."""
+
+    def __init__(self, sync_every: int = 50, method="identity", inner_group=None, **options):
+        from gcomp.outer import arguments
+
+        arguments.check(sync_every, options.get("fragments", 1), options.get("overlap", 0),
+                        options.get("bucket_mb", 25), options.get("alpha", 1.0), options.get("check_every", 1))
+        arguments.outer_method(method)
+        self._args = dict(sync_every=sync_every, method=method, inner_group=inner_group, **options)
+        self.outer = None
+        self._saved = None  # a checkpoint's state, loaded once the outer state exists
+        self._seen_step = 0  # the trainer's global_step at the last outer.step()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        from gcomp.outer import DiLoCo, keep_local
+
+        ddp = trainer.strategy.model
+        if isinstance(ddp, DistributedDataParallel):
+            keep_local(ddp, self._args["inner_group"])
+        self.outer = DiLoCo(pl_module, **self._args)
+        self._seen_step = trainer.global_step
+        if self._saved is not None:
+            self.outer.load_state_dict(self._saved)
+            self._saved = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        while self.outer is not None and self._seen_step < trainer.global_step:  # once per optimizer step
+            self._seen_step += 1
+            self.outer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.outer is None else {"gcomp_outer": self.outer.gather_state_dict(dst=0)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("gcomp_outer")
+        if saved is None:
+            return
+        if self.outer is None:
+            self._saved = saved
+        else:
+            self.outer.load_state_dict(saved)
