@@ -19,8 +19,16 @@ from gcomp.compressors.block_formats import NAMES, block_format
 
 
 def run(size_mb: float = 64, repeats: int = 5, rounding: str = "nearest", formats=NAMES) -> list[dict]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    n = int(size_mb * 2 ** 20) // 4 // 128 * 128
+    try:
+        return _rows(size_mb, repeats, rounding, formats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rows(size_mb: float, repeats: int, rounding: str, formats) -> list[dict]:
+    n = max(128, int(size_mb * 2 ** 20) // 4 // 128 * 128)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     dst = torch.empty_like(x)
     generator = torch.Generator().manual_seed(1)

@@ -27,7 +27,6 @@ import difflib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from gcomp.compressors import minifloat
 from gcomp.compressors.block_wire import check_length, pack, pair_index, pair_table
@@ -66,14 +65,13 @@ class BlockFormat:
 
     # -- scales ------------------------------------------------------------------------------------------------
     def _amax(self, flat: torch.Tensor, work: minifloat.Work) -> torch.Tensor:
-        amax = torch.empty(flat.numel() // self.block, dtype=torch.float32, device=flat.device)
+        # the maxima of the magnitudes' bits: ordered as the magnitudes, a NaN above infinity (an integer reduction
+        # is several times faster than a float one on the CPU, most of all on rows of 16)
+        amax = torch.empty(flat.numel() // self.block, dtype=torch.int32, device=flat.device)
         for start, stop in minifloat._slabs(flat.numel(), flat.device, self.block):
-            a = torch.abs(flat[start:stop], out=work.f[:stop - start])
-            if self.block < 32:  # torch's row reduction is slow below 32 a row; pooling is not (and keeps NaN)
-                amax[start // self.block:stop // self.block] = F.max_pool1d(a.view(1, 1, -1), self.block).view(-1)
-            else:
-                torch.amax(a.view(-1, self.block), 1, out=amax[start // self.block:stop // self.block])
-        return amax
+            a = torch.abs(flat[start:stop], out=work.f[:stop - start]).view(torch.int32)
+            torch.amax(a.view(-1, self.block), 1, out=amax[start // self.block:stop // self.block])
+        return amax.view(torch.float32)
 
     def _scales(self, amax: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, bool]:
         """The scale tensors sent, the per-block number the elements are multiplied (or divided) by, and whether
