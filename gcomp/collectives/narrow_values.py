@@ -1,7 +1,7 @@
 """Sparse values on the wire in a narrower dtype: ``fp32`` (the bucket's own dtype, as it is), ``bf16``, ``fp16``,
 or ``fp8_e4m3`` with one fp32 scale per payload (its largest finite magnitude / 448, E4M3's largest value).
 
-The narrow values travel as integers of their width (int16, uint8: every backend all-gathers and sends those);
+The narrow values travel as bytes, one row per value (gloo all-gathers no int16 nor float8 tensors);
 ``narrow`` also gives back the values as they will be decoded, so a method keeps what rounding took off in its
 residual and nothing is lost. Whole-tensor operations, no host synchronisation.
 """
@@ -11,7 +11,6 @@ import torch
 
 VALUE_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3")
 _WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
-_AS_INT = {2: torch.int16, 1: torch.uint8}
 FP8_MAX = 448.0
 
 
@@ -32,8 +31,8 @@ def scale_bytes(name: str) -> int:
 
 
 def narrow(values: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(wire, scale, rounded)``: the values as they travel (an integer view of the narrow dtype, or ``values``
-    itself for ``fp32``), fp8's scale (a 1-entry fp32 tensor, else None) and the values as decoded, in
+    """``(wire, scale, rounded)``: the values as they travel (a uint8 view, ``(*values.shape, bytes)``, of the
+    narrow dtype, or ``values`` itself for ``fp32``), fp8's scale (a 1-entry fp32 tensor, else None) and the values as decoded, in
     ``values``' dtype."""
     if name == "fp32":
         return values, None, values
@@ -48,14 +47,14 @@ def narrow(values: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor 
         scale = None
         narrow_values = values.to(_WIRE[name])
         rounded = narrow_values.to(wide)
-    return narrow_values.view(_AS_INT[narrow_values.element_size()]), scale, rounded
+    return narrow_values.unsqueeze(-1).view(torch.uint8), scale, rounded
 
 
 def widen(wire: torch.Tensor, name: str, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The values of ``wire`` (``narrow``'s, or a stack of them with ``scale`` shaped ``(..., 1)``) in ``dtype``."""
     if name == "fp32":
         return wire.to(dtype)
-    values = wire.view(_WIRE[name])
+    values = wire.view(_WIRE[name]).squeeze(-1)
     if name == "fp8_e4m3":
         return (values.float() * scale).to(dtype)
     return values.to(dtype)

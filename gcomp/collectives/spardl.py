@@ -131,7 +131,8 @@ def wire_allgather(index: torch.Tensor, values: torch.Tensor, width: int, me: in
         found = coded_positions.decode(rows[0], width, k)
     else:
         found = rows[0].long()
-    return found, narrow_values.widen(rows[1], wire.values, rows[2] if len(rows) > 2 else None, values.dtype)
+    narrow = rows[1] if wire.values == "fp32" else rows[1].view(size, k, -1)  # a row of bytes per value
+    return found, narrow_values.widen(narrow, wire.values, rows[2] if len(rows) > 2 else None, values.dtype)
 
 
 @dataclass

@@ -15,8 +15,6 @@ import torch
 from gcomp.bucket import index_dtype
 from gcomp.collectives import coded_positions, narrow_values
 
-_AS_INT = {2: torch.int16, 1: torch.uint8}
-
 
 @dataclass(frozen=True)
 class SparseWire:
@@ -41,7 +39,7 @@ class SparseWire:
             return [where, (dtype, count * k)]
         width = narrow_values.value_bits(self.values, dtype) // 8
         scale = [(torch.float32, 1)] if narrow_values.scale_bytes(self.values) else []
-        return [where, (_AS_INT[width], count * k), *scale]
+        return [where, (torch.uint8, count * k * width), *scale]
 
     def encode(self, index: torch.Tensor, values: torch.Tensor, n: int):
         """``(tensors, index, exact, sent)`` for ``count`` sets (``index``, ``values``: ``(count, k)``): the message's
@@ -70,4 +68,6 @@ class SparseWire:
         else:
             index = where.view(count, k)
         scale = parts[2] if len(parts) > 2 else None
+        if self.values != "fp32":
+            wire = wire.view(count * k, -1)  # a row of bytes per value
         return index, narrow_values.widen(wire, self.values, scale, dtype).view(count, k)
