@@ -3,7 +3,9 @@ or ``fp8_e4m3`` with one fp32 scale per payload (its largest finite magnitude / 
 
 The narrow values travel as bytes, one row per value (gloo all-gathers no int16 nor float8 tensors);
 ``narrow`` also gives back the values as they will be decoded, so a method keeps what rounding took off in its
-residual and nothing is lost. Whole-tensor operations, no host synchronisation.
+residual and nothing is lost. Whole-tensor operations, no host synchronisation. fp16 overflows past 65504: such a
+value arrives as an infinity, non-finite on every rank as a NaN gradient would be (bf16 and fp8 with its scale
+cover fp32's range).
 """
 from __future__ import annotations
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from gcomp.bucket import BucketInfo
 from gcomp.bucket_state import BucketState
 from gcomp.collectives import AllgatherCommunicator
+from gcomp.collectives.narrow_values import narrow
 from gcomp.compressors.device_random import DeviceStream
 from gcomp.compressors.quantise import stream_seed
 from gcomp.compressors.sparse import PositionsParam, SparseCompressor, ValuesParam
-from gcomp.collectives.narrow_values import narrow
 from gcomp.core import check_state, sum_by_name
 from gcomp.state_checks import generator_state
 from gcomp.kernels import on_device, segments
