@@ -174,7 +174,7 @@ def test_a_method_object_not_made_by_create_is_refused():
     ("topk:ratio=abc", "hierarchical: parameter 'inner': 'topk:ratio=abc': parameter 'ratio' of topk must be a "
                        "float: got 'abc'"),
     ("topk:ratio", "hierarchical: parameter 'inner': 'topk:ratio': expected key=value with a parameter of topk "
-                   r"\(ratio\); got 'ratio'"),
+                   r"\(ratio, positions, values\); got 'ratio'"),
     ("topk:rate=0.1", "expected key=value with a parameter of topk"),
     ("prunex", "hierarchical: parameter 'inner' cannot be a hierarchical method itself; got 'prunex'"),
     ("hierarchical:inner=topk", "cannot be a hierarchical method itself"),
