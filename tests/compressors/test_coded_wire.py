@@ -22,7 +22,8 @@ WIRES = [("raw", "fp32"), ("coded", "fp32"), ("coded", "bf16"), ("raw", "fp8_e4m
 METHODS = {"topk": {"ratio": RATIO}, "dgc": {"ratio": RATIO}, "gtopk": {"density": RATIO},
            "spardl": {"density": RATIO}}
 CONSERVING = [("topk", {"ratio": RATIO}), ("dgc", {"ratio": RATIO, "momentum": 0.0}), ("spardl", {"density": RATIO}),
-              ("threshold", {"threshold": 1.0}), ("topk", {"ratio": RATIO, "values": "fp8_e4m3"})]
+              ("threshold", {"threshold": 1.0}), ("topk", {"ratio": RATIO, "values": "fp8_e4m3"}),
+              ("dgc", {"ratio": 0.4, "momentum": 0.0, "values": "fp8_e4m3"})]  # the bitmap form, DGC's padding merged
 
 
 def _allgather_bytes(k: int, positions: str, values: str) -> int:
