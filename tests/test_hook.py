@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gcomp
+from gcomp.collectives.coded_positions import coded_bytes
 from tests.distributed import run_ranks
 from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, flat_grads, flat_params, mlp, train
 
@@ -85,7 +86,7 @@ def record_groups():
 
 def topk_bytes(numel: int, ratio: float) -> int:
     k = max(1, int(ratio * numel))
-    return k * 4 + k * 4  # fp32 values + int32 positions
+    return k * 4 + coded_bytes(numel, k)  # fp32 values + the positions' code (topk's default)
 
 
 # ------------------------------------------------------------------------------------------------------ jobs

@@ -90,7 +90,7 @@ def test_huge_int_ratio_is_a_value_error():
 
 def test_topk_int_ratio_is_accepted_and_converted_to_float():
     method = gcomp.create("topk", ratio=1)
-    assert method.params == {"ratio": 1.0}
+    assert method.params == {"ratio": 1.0, "positions": "coded", "values": "fp32"}
     assert type(method.params["ratio"]) is float
     assert type(method.compressor.ratio) is float and method.compressor.ratio == 1.0
 
@@ -98,7 +98,8 @@ def test_topk_int_ratio_is_accepted_and_converted_to_float():
 def test_default_parameters_are_recorded():
     method = gcomp.create("topk")
     assert method.name == "topk"
-    assert method.params == {"ratio": gcomp.spec("topk").params["ratio"].default}
+    assert method.params == {name: p.default for name, p in gcomp.spec("topk").params.items()}
+    assert method.params["ratio"] == 0.01
 
 
 def test_unknown_parameter_lists_the_accepted_ones():

@@ -25,7 +25,7 @@ class AllgatherCommunicator(Communicator):
         outputs, futures = [], []
         for t in payload.tensors:
             out = t.new_empty(world * t.numel())  # gloo wants the flat form
-            futures.append(launched(all_gather_flat(out, t.contiguous(), group, async_op=True)))
+            futures.append(launched(all_gather_flat(out, t.reshape(-1), group, async_op=True)))
             outputs.append(out.view(world, *t.shape))
         count_collectives(stats, "allgather", payload.tensors)
         count_round(stats)

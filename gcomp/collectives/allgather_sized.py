@@ -62,7 +62,7 @@ class SizedAllgatherCommunicator(Communicator):
             padded[:length] = t
             padding += (padded.numel() - t.numel()) * t.element_size()
             out = t.new_empty(world * padded.numel())  # gloo wants the flat form
-            futures.append(launched(all_gather_flat(out, padded, group, async_op=True)))
+            futures.append(launched(all_gather_flat(out, padded.view(-1), group, async_op=True)))
             outputs.append(out.view(world, *padded.shape))
             count_collectives(stats, "allgather", [padded])
         count_round(stats)
@@ -90,7 +90,7 @@ class SizedAllgatherCommunicator(Communicator):
                 part = torch.cat([part, t.new_zeros(width - part.shape[0], *t.shape[1:])])
             row_bytes += part[0].numel() * t.element_size()
             out = t.new_empty(world * part.numel())  # gloo wants the flat form
-            futures.append(launched(all_gather_flat(out, part.contiguous(), group, async_op=True)))
+            futures.append(launched(all_gather_flat(out, part.reshape(-1), group, async_op=True)))
             outputs.append(out.view(world, *part.shape))
             count_collectives(stats, "allgather", [part])
         count_round(stats)

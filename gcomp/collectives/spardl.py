@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from gcomp.bucket import index_dtype
+from gcomp.collectives import coded_positions, narrow_values
 from gcomp.collectives.p2p import Program, Round, message_nbytes, pack, unpack
+from gcomp.collectives.sparse_wire import SparseWire
 
 
 def reduce_scatter_rounds(size: int) -> list[tuple[int, int]]:
@@ -89,21 +91,48 @@ def add_into(blocks: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, valu
     blocks.view(-1).index_add_(0, positions.reshape(-1), values.reshape(-1))
 
 
-def spar_reduce_scatter(blocks: torch.Tensor, me: int, k: int, rank_of) -> Program:
+def spar_reduce_scatter(blocks: torch.Tensor, me: int, k: int, rank_of, wire: SparseWire = SparseWire()) -> Program:
     """Spar-Reduce-Scatter among the ``blocks.shape[0]`` team members (``rank_of(m)`` is member m's rank).
-    Block ``me`` ends holding the team's sum; every other block is sent once and keeps what was not sent."""
+    Block ``me`` ends holding the team's sum; every other block is sent once and keeps what was not sent (with
+    narrow values, what rounding took off the sent entries too). Messages as ``wire`` makes them."""
     size, width = blocks.shape
     itype = index_dtype(width)
     for gap, count in reduce_scatter_rounds(size):
         ahead = torch.arange(count, device=blocks.device)
         send_rows, recv_rows = (me + gap + ahead) % size, (me + ahead) % size
         index, values = take_top(blocks, send_rows, k)
-        sections = [(itype, count * k), (blocks.dtype, count * k)]
+        if wire.plain:
+            sections, message = [(itype, count * k), (blocks.dtype, count * k)], pack([index.to(itype), values])
+        else:
+            sections = wire.sections(width, k, count, blocks.dtype)
+            tensors, sorted_index, exact, sent = wire.encode(index, values, width)
+            message = pack(tensors)
+            if wire.values != "fp32":  # the rounding error stays in the block, as what was not sent
+                add_into(blocks, send_rows, sorted_index, exact - sent)
         src = rank_of((me - gap) % size)
-        got = yield Round({rank_of((me + gap) % size): pack([index.to(itype), values])},
-                          {src: message_nbytes(sections)})
-        r_index, r_values = unpack(got[src], sections)
+        got = yield Round({rank_of((me + gap) % size): message}, {src: message_nbytes(sections)})
+        if wire.plain:
+            r_index, r_values = unpack(got[src], sections)
+        else:
+            r_index, r_values = wire.decode(unpack(got[src], sections), width, k, count, blocks.dtype)
         add_into(blocks, recv_rows, r_index.view(count, k), r_values.view(count, k))
+
+
+def wire_allgather(index: torch.Tensor, values: torch.Tensor, width: int, me: int, size: int, rank_of,
+                   wire: SparseWire) -> Program:
+    """Bruck all-gather of one ``(1, k)`` set per member as ``wire`` codes it (each item its own code and fp8
+    scale, forwarded as it came): returns every member's ``(positions, values)``, ``(size, k)`` each, as decoded
+    (this member's own too, so every rank holds the same bits)."""
+    k = index.shape[1]
+    tensors = wire.encode(index, values, width)[0]
+    gathered = yield from bruck_allgather([t.reshape(1, -1) for t in tensors], me, size, rank_of)
+    rows = [gathered[0], gathered[1]] + ([gathered[2]] if len(gathered) > 2 else [])
+    if wire.positions == "coded":
+        found = coded_positions.decode(rows[0], width, k)
+    else:
+        found = rows[0].long()
+    narrow = rows[1] if wire.values == "fp32" else rows[1].view(size, k, -1)  # a row of bytes per value
+    return found, narrow_values.widen(narrow, wire.values, rows[2] if len(rows) > 2 else None, values.dtype)
 
 
 @dataclass
@@ -139,18 +168,26 @@ def merge_teams(index: torch.Tensor, values: torch.Tensor, width: int, k: int
     return chosen, torch.where(valid, summed[chosen], 0), valid, union
 
 
-def spardl_program(blocks: torch.Tensor, rank: int, world: int, teams: int, k: int, h: int) -> Program:
+def spardl_program(blocks: torch.Tensor, rank: int, world: int, teams: int, k: int, h: int,
+                   wire: SparseWire = SparseWire()) -> Program:
     """One rank's SparDL step on ``blocks`` (Q x B, Q = world / teams; the compensated bucket, modified in
     place into the provisional residual). ``k`` entries per block and message, ``h`` per team in
-    Spar-All-Gather (``h == k`` with one team). Returns a ``Selection``."""
+    Spar-All-Gather (``h == k`` with one team). Returns a ``Selection``. The reduce-scatter's messages, and
+    with one team the final all-gather's, as ``wire`` makes them; with several teams Spar-All-Gather and the
+    final all-gather send raw positions and the bucket's dtype."""
     size, width = blocks.shape
     if size * teams != world:
         raise ValueError(f"{world} workers in {teams} teams need {world // teams} blocks, got {size}")
     team, me = divmod(rank, size)
-    yield from spar_reduce_scatter(blocks, me, k, lambda m: team * size + m)
+    yield from spar_reduce_scatter(blocks, me, k, lambda m: team * size + m, wire)
     own = torch.full((1,), me, device=blocks.device)  # torch.tensor would copy from the host: a sync on a GPU
     itype = index_dtype(width)
     index, values = take_top(blocks, own, h)
+    if teams == 1 and not wire.plain:
+        if wire.values != "fp32":  # the own block keeps what rounding takes off, as what it did not pass on
+            add_into(blocks, own, index, values - narrow_values.narrow(values, wire.values)[2])
+        found, got = yield from wire_allgather(index, values, width, me, size, lambda m: team * size + m, wire)
+        return Selection(found, got, None, None)
     if teams == 1:
         parts, union = [index.to(itype), values], None
     else:

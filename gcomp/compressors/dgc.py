@@ -14,9 +14,10 @@ import torch.distributed as dist
 from gcomp.bucket import BucketInfo
 from gcomp.bucket_state import BucketState
 from gcomp.collectives import AllgatherCommunicator
+from gcomp.collectives.narrow_values import narrow
 from gcomp.compressors.device_random import DeviceStream
 from gcomp.compressors.quantise import stream_seed
-from gcomp.compressors.sparse import SparseCompressor
+from gcomp.compressors.sparse import PositionsParam, SparseCompressor, ValuesParam
 from gcomp.core import check_state, sum_by_name
 from gcomp.state_checks import generator_state
 from gcomp.kernels import on_device, segments
@@ -31,9 +32,12 @@ _TARGET, _CAP = 2, 4       # the sampled threshold aims at 2k candidates and kee
 
 
 class DGCCompressor(SparseCompressor):
-    """Sends a fixed ``k = ceil(density * n)`` entries of the momentum-corrected velocity per bucket: k values
-    in the bucket's dtype and k int32 positions (int64 past 2**31 elements), by all-gather; the same k on
-    every rank, so no sizes are exchanged. Entries several ranks chose are summed.
+    """Sends a fixed ``k = ceil(density * n)`` entries of the momentum-corrected velocity per bucket, by
+    all-gather; the same k on every rank, so no sizes are exchanged. Entries several ranks chose are summed.
+    k values (``values``: the bucket's dtype, bf16/fp16, or fp8_e4m3 with one fp32 scale; the rounding stays
+    in the velocity) and k positions, coded by default (``gcomp.collectives.coded_positions``: the smaller of a
+    bitmap, n bits, and Elias-Fano, k L + k + ceil(n / 2**L) bits with L = max(0, floor(log2(n / k))));
+    ``positions=raw``: int32 (int64 past 2**31 elements).
 
     Per bucket and step: clip each parameter's local gradient to ``clip_norm / sqrt(world)`` (if set); momentum
     correction ``u = m u + g; v = v + u`` (Nesterov: ``u = m (u + g); v = v + u + g``); select on |v|;
@@ -53,7 +57,9 @@ class DGCCompressor(SparseCompressor):
     distinct_positions = False  # empty slots repeat position 0
 
     def __init__(self, ratio: float, momentum: float, nesterov: bool, masking: bool, clip_norm: float,
-                 warmup_steps: int, warmup_stages: int, sample_ratio: float, seed: int):
+                 warmup_steps: int, warmup_stages: int, sample_ratio: float, seed: int, positions: str = "raw",
+                 values: str = "fp32"):
+        self.wire(positions, values)
         self.ratio, self.momentum, self.nesterov, self.masking = ratio, momentum, nesterov, masking
         self.clip_norm, self.sample_ratio, self.seed = clip_norm, sample_ratio, seed
         self.warmup_steps, self.warmup_stages = warmup_steps, warmup_stages
@@ -98,7 +104,10 @@ class DGCCompressor(SparseCompressor):
             v.add_(u)
         index = self._select(v, k)  # n for an empty slot: the scratch entry, zero
         values = v_ext[index]
-        v_ext.index_fill_(0, index, 0)
+        if self.values == "fp32":
+            v_ext.index_fill_(0, index, 0)
+        else:  # what rounding takes off stays in the velocity (the empty slots' scratch entry: 0 - 0)
+            v_ext.index_put_((index,), values - narrow(values, self.values)[2])
         if self.masking:
             u_ext.index_fill_(0, index, 0)
         for t in (u, v):  # a non-finite entry left behind would poison every later step
@@ -202,7 +211,9 @@ def dgc(
     warmup_stages: Annotated[int, Range(1, None), "warm-up stages, density falling exponentially to ratio"] = 4,
     sample_ratio: Annotated[float, Range(0, 1, low_open=True), "fraction of |v| sampled for the threshold"] = 0.01,
     seed: Annotated[int, Range(0, None), "seed of the sample offsets (each rank draws its own stream from it)"] = 0,
+    positions: PositionsParam = "coded",
+    values: ValuesParam = "fp32",
 ) -> Method:
     """Deep Gradient Compression: momentum-corrected top-k by sampled threshold, masking, warm-up, all-gather."""
     return Method(DGCCompressor(ratio, momentum, nesterov, masking, clip_norm, warmup_steps, warmup_stages,
-                                sample_ratio, seed), NoMemory(), AllgatherCommunicator())
+                                sample_ratio, seed, positions, values), NoMemory(), AllgatherCommunicator())

@@ -10,7 +10,9 @@ import torch
 from gcomp.bucket import BucketInfo
 from gcomp.collectives.p2p import run_program
 from gcomp.collectives.scheduled import ProgramCommunicator, ScheduledCompressor, ScheduledCtx
+from gcomp.collectives.sparse_wire import SparseWire
 from gcomp.collectives.spardl import spar_reduce_scatter, spardl_program
+from gcomp.compressors.sparse import PositionsParam, ValuesParam, check_wire
 from gcomp.memory import NoMemory
 from gcomp.method import Method
 from gcomp.params import Range
@@ -67,21 +69,27 @@ class SparDLCompressor(ScheduledCompressor):
     blocks of B entries, and each block is reduced sparsely (``gcomp.collectives.spardl``).
 
     On the wire, point-to-point only, one message per peer per round: messages of k = max(1, int(density * B))
-    (int32 position, int64 past 2**31 entries; value in the bucket's dtype) pairs per block; 2 ceil(log2 Q) rounds (plus ceil(log2
-    teams) for Spar-All-Gather), and 2 (Q - 1) k pairs sent per worker and step with one team, about
-    2 (P - 1) / P * density * n: independent of P. With several teams each final block also carries its
-    length (an int32), the teams' messages carry h pairs, and block messages are padded to k pairs.
+    entries per block, positions coded (``positions=coded``, the default: per message one code of its blocks'
+    positions, ``gcomp.collectives.coded_positions``, the smaller of a bitmap and Elias-Fano's k L + k +
+    ceil(n / 2**L) bits, L = max(0, floor(log2(n / k)))) or raw (int32, int64 past 2**31 entries), values in
+    ``values`` (the bucket's dtype, bf16, fp16, fp8_e4m3 with one fp32 scale per message or final block);
+    2 ceil(log2 Q) rounds (plus ceil(log2 teams) for Spar-All-Gather), and 2 (Q - 1) k entries sent per worker
+    and step with one team, about 2 (P - 1) / P * density * n: independent of P. With several teams each final
+    block also carries its length (an int32), the teams' messages carry h pairs, and block messages are padded
+    to k pairs; Spar-All-Gather and the final all-gather then send raw positions and the bucket's dtype.
 
     Global residual collection: off a block's final support every rank keeps its own compensated entry; on
     it, what it did not pass on (a partial sum it cut, or 0). So the residuals of all ranks plus the result
-    add up to the sum of the compensated buckets (the hook has divided each by P), exactly for any number of teams.
+    add up to the sum of the compensated buckets (the hook has divided each by P), exactly for any number of teams;
+    with narrow values what rounding takes off a sent entry stays with its sender, so that still holds.
     """
 
     depends_on_layout = True  # blocks are ranges of the flat bucket
 
-    def __init__(self, density: float, teams: int):
+    def __init__(self, density: float, teams: int, positions: str = "raw", values: str = "fp32"):
         super().__init__()
         self.density, self.teams = density, teams
+        self.wire = SparseWire(*check_wire(positions, values))
         self._budgets: dict[str, _Budget] = {}
 
     def bind(self, model, group, stats) -> None:
@@ -104,7 +112,7 @@ class SparDLCompressor(ScheduledCompressor):
         original = ctx.compensated.new_zeros(size * width)
         original[:ctx.compensated.numel()] = ctx.compensated
         blocks = original.clone()
-        selection = yield from spardl_program(blocks.view(size, width), rank, world, teams, k, h)
+        selection = yield from spardl_program(blocks.view(size, width), rank, world, teams, k, h, self.wire)
         positions = (torch.arange(size, device=blocks.device)[:, None] * width + selection.index).reshape(-1)
         values = selection.values.reshape(-1)
         result = torch.zeros_like(original).index_add_(0, positions, values)  # positions are distinct
@@ -157,8 +165,8 @@ class SparDLRows(RowStrategy):
     (``gcomp.collectives.spardl.spar_reduce_scatter``, run by ``gcomp.collectives.p2p.run_program``): FSDP's input
     viewed as (world, S) is SparDL's blocks, block r being rank r's shard. In ceil(log2 world) rounds every block
     but a rank's own is sent once, as the top k = max(1, int(density * S)) of what has accumulated in it,
-    (int32 position, value) pairs: (world - 1) k pairs per rank and call, each message's two sections padded to
-    8 bytes. The rank's own block, its partial sums added in, is its output shard, dense: SparDL's final top-k and
+    (position, value) pairs as ``positions`` and ``values`` make them (coded and fp32 by default, as under DDP):
+    (world - 1) k pairs per rank and call, each message's sections padded to 8 bytes. The rank's own block, its partial sums added in, is its output shard, dense: SparDL's final top-k and
     all-gather are not needed, since FSDP wants only the shard.
 
     Error feedback on the rank's full unsharded input (the compressor's own memory, per (parameter, shard)
@@ -181,7 +189,8 @@ class SparDLRows(RowStrategy):
     def exchange(self, payload, compressor: SparDLCompressor, layout, group, stats):
         width = layout.shard_numel
         blocks = payload.ctx.compensated.reshape(layout.world, width).clone()
-        program = spar_reduce_scatter(blocks, layout.rank, max(1, int(width * compressor.density)), lambda m: m)
+        program = spar_reduce_scatter(blocks, layout.rank, max(1, int(width * compressor.density)), lambda m: m,
+                                      compressor.wire)
         _, sent, messages = run_program(program, group, device=blocks.device, stats=stats)
         stats["bytes_sent"] += sent
         stats["messages"] += messages
@@ -196,8 +205,8 @@ class SparDLRows(RowStrategy):
 
 @register("spardl", paper="Zhao et al., SparDL, arXiv 2304.00737 (2023)", fsdp=SparDLRows)
 def spardl(density: Annotated[float, Range(0, 1, low_open=True), "fraction of each block's entries sent"] = 0.01,
-           teams: Annotated[int, Range(1, None), "teams for Spar-All-Gather (must divide the workers)"] = 1
-           ) -> Method:
+           teams: Annotated[int, Range(1, None), "teams for Spar-All-Gather (must divide the workers)"] = 1,
+           positions: PositionsParam = "coded", values: ValuesParam = "fp32") -> Method:
     """SparDL: top-k per block by Spar-Reduce-Scatter (any worker count), optional Spar-All-Gather across
     teams, Bruck all-gather, and global residual collection; point-to-point messages only."""
-    return Method(SparDLCompressor(density, teams), NoMemory(), ProgramCommunicator())
+    return Method(SparDLCompressor(density, teams, positions, values), NoMemory(), ProgramCommunicator())

@@ -8,11 +8,11 @@ import torch.distributed as dist
 
 from gcomp.bucket import index_dtype
 from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator, SizedPayload
-from gcomp.compressors.sparse import SparseCompressor, magnitude_keys, positions_at_least
+from gcomp.compressors.sparse import SparseCompressor, ValuesParam, magnitude_keys, positions_at_least
 from gcomp.kernels import on_device
 from gcomp.memory import ResidualMemory
 from gcomp.method import Method
-from gcomp.params import Range
+from gcomp.params import OneOf, Range
 from gcomp.registry import register
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -30,10 +30,12 @@ def _floor_to(value: float, dtype: torch.dtype) -> float:
 
 
 class ThresholdCompressor(SparseCompressor):
-    """Sends the entries whose local magnitude exceeds ``threshold``: their values in the bucket's dtype and
-    int32 positions (int64 past 2**31 elements), as many as there are, so the count differs per rank and step.
-    On the wire (``SizedAllgatherCommunicator``): one int64 size per rank, then values and positions
-    zero-padded to the largest count, by all-gather. Entries several ranks chose are summed.
+    """Sends the entries whose local magnitude exceeds ``threshold``: their values (``values``: the bucket's
+    dtype, bf16, fp16, or fp8_e4m3 with one fp32 scale; the rounding stays in the residual) and int32 positions
+    (int64 past 2**31 elements), as many as there are, so the count differs per rank and step. On the wire
+    (``SizedAllgatherCommunicator``): one int64 size per rank, then values and positions zero-padded to the
+    largest count, by all-gather. Entries several ranks chose are summed. Positions stay raw: a code's size
+    would differ per rank with the count (``positions=coded`` is refused).
 
     The threshold is on the local gradient: the hook hands over ``g / world``, so that is compared with
     ``threshold / world``. NaN and infinities always pass. The entries are found in one chunked pass over the
@@ -46,8 +48,9 @@ class ThresholdCompressor(SparseCompressor):
     buffers cost a bucket of values and of int64 positions while the bucket is encoded.
     """
 
-    def __init__(self, threshold: float):
+    def __init__(self, threshold: float, values: str = "fp32"):
         self.threshold = threshold
+        self.wire("raw", values)
         self.world_size = 1
         self._floors: dict[torch.dtype, torch.Tensor] = {}
         self._floor_keys: dict[torch.dtype, int] = {}
@@ -90,7 +93,7 @@ class ThresholdCompressor(SparseCompressor):
         real = found < n
         index = found.clamp_(max=n - 1)  # padding: a zero value at the last position
         plain = self.sparse_payload(torch.where(real, flat[index], 0), index, tensor, bucket)
-        return SizedPayload(plain.tensors, plain.ctx, length=passing.sum())
+        return SizedPayload(plain.tensors, plain.ctx, length=passing.sum())  # fp8's scale: padding past it
 
     def residual_into(self, out, tensor, payload):
         if not isinstance(payload, SizedPayload):
@@ -98,11 +101,22 @@ class ThresholdCompressor(SparseCompressor):
         # the padding repeats a position: the sent entries, all of those passing and only those, read as 0
         flat = tensor.reshape(-1)
         out.view(-1).copy_(flat).masked_fill_(self._passing(flat), 0)
+        if self.values != "fp32":  # what rounding took off the sent entries, the padding past the count adding 0
+            ctx = payload.ctx
+            real = torch.arange(ctx.index.numel(), device=flat.device) < payload.length
+            left = torch.nan_to_num_(flat[ctx.index] - ctx.sent, nan=0.0, posinf=0.0, neginf=0.0)
+            out.view(-1).index_add_(0, ctx.index, torch.where(real, left, 0))
         return True
 
 
 @register("threshold", paper="Strom 2015 (Scalable distributed DNN training using commodity GPU cloud computing)")
 def threshold(threshold: Annotated[float, Range(0, None), "send entries of the local gradient with |g| above this"]
-              = 0.01) -> Method:
+              = 0.01,
+              positions: Annotated[str, OneOf("raw", "coded"), "raw int32 positions (coded is refused: a code's size "
+                                   "would differ per rank with the count)"] = "raw",
+              values: ValuesParam = "fp32") -> Method:
     """Threshold sparsification with error feedback: a variable count per rank, sizes exchanged, then all-gather."""
-    return Method(ThresholdCompressor(threshold), ResidualMemory(), SizedAllgatherCommunicator())
+    if positions != "raw":
+        raise ValueError("threshold: parameter 'positions' must be 'raw': its count differs per rank, so coded "
+                         "positions would need a code size per rank (topk, dgc, gtopk and spardl code them)")
+    return Method(ThresholdCompressor(threshold, values), ResidualMemory(), SizedAllgatherCommunicator())

@@ -16,7 +16,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
 def _dgc(**params):
-    return gcomp.create("dgc", **params).compressor
+    """The raw wire (int32 positions in selection order), which these tests read tensor by tensor."""
+    return gcomp.create("dgc", **{"positions": "raw", **params}).compressor
 
 
 def _state(comp, info: BucketInfo) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,7 +77,7 @@ def _tree_messages(rank: int, world: int) -> int:
 
 def test_on_five_gloo_ranks_each_rank_sends_its_tree_messages():
     numel, density = 20_000, 0.01
-    ranks = run_ranks(5, spardl_jobs.bytes_job, "gtopk", {"density": density}, numel, 2)
+    ranks = run_ranks(5, spardl_jobs.bytes_job, "gtopk", {"density": density, "positions": "raw"}, numel, 2)
     k = int(numel * density)
     size = message_nbytes([(torch.int32, k), (torch.float32, k)])
     assert [_tree_messages(r, 5) for r in range(5)] == [3, 1, 2, 1, 1]

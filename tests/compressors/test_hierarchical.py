@@ -71,10 +71,11 @@ def test_a_lossy_inner_method_keeps_replicas_identical_and_cuts_inter_node_bytes
 
 
 def test_leaders_count_the_inner_payload_and_the_dense_bucket_in_its_own_dtype():
-    """float64 buckets of 3000 entries, ``inner="topk:ratio=0.05"``: a leader sends top-k's 150 float64 values
-    and 150 int32 positions between nodes (not the default ratio's 30), where a dense all-reduce would have
-    sent 3000 float64 entries; followers count neither."""
-    ranks = run_ranks(4, reduce_job, {"inner": "topk:ratio=0.05", "ranks_per_node": 2}, dtype=torch.float64)
+    """float64 buckets of 3000 entries, ``inner="topk:ratio=0.05,positions=raw"``: a leader sends top-k's 150
+    float64 values and 150 int32 positions between nodes (not the default ratio's 30), where a dense all-reduce
+    would have sent 3000 float64 entries; followers count neither."""
+    ranks = run_ranks(4, reduce_job, {"inner": "topk:ratio=0.05,positions=raw", "ranks_per_node": 2},
+                      dtype=torch.float64)
     for rank, r in enumerate(ranks):
         leader = rank % 2 == 0
         assert r["result"].dtype == torch.float64 and torch.equal(r["result"], ranks[0]["result"]), rank
@@ -173,7 +174,7 @@ def test_a_method_object_not_made_by_create_is_refused():
     ("topk:ratio=abc", "hierarchical: parameter 'inner': 'topk:ratio=abc': parameter 'ratio' of topk must be a "
                        "float: got 'abc'"),
     ("topk:ratio", "hierarchical: parameter 'inner': 'topk:ratio': expected key=value with a parameter of topk "
-                   r"\(ratio\); got 'ratio'"),
+                   r"\(ratio, positions, values\); got 'ratio'"),
     ("topk:rate=0.1", "expected key=value with a parameter of topk"),
     ("prunex", "hierarchical: parameter 'inner' cannot be a hierarchical method itself; got 'prunex'"),
     ("hierarchical:inner=topk", "cannot be a hierarchical method itself"),

@@ -214,8 +214,8 @@ def test_on_gloo_ranks_bytes_match_the_cost_model_and_training_converges(world):
     teams_options = [d for d in (1, 2) if world % d == 0]
     for teams in teams_options:
         steps = 2 if teams == 1 else 1  # with teams, h adapts after the first step
-        ranks = run_ranks(world, spardl_jobs.bytes_job, "spardl", {"density": density, "teams": teams}, numel,
-                          steps)
+        ranks = run_ranks(world, spardl_jobs.bytes_job, "spardl",
+                          {"density": density, "teams": teams, "positions": "raw"}, numel, steps)
         expected, messages = _expected_bytes(world, teams, numel, density)
         for rank, r in enumerate(ranks):
             assert r["same"], f"teams={teams}: rank {rank}'s results differ"

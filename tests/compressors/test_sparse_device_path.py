@@ -171,3 +171,26 @@ def test_dgc_clipping_on_the_device_path_matches_the_cpu_path(world):
             payload = comp.compress(local / world, info)
         sent.append(comp.decompress(payload.tensors, payload.ctx))
     torch.testing.assert_close(sent[1], sent[0], rtol=1e-12, atol=0)
+
+
+# --- coded positions and narrow values ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.05, "values": "bf16"}),
+                                         ("topk", {"ratio": 0.4, "values": "fp8_e4m3"}),  # the bitmap form
+                                         ("threshold", {"threshold": 1.0, "values": "fp16"}),
+                                         ("threshold", {"threshold": 1.0, "values": "fp8_e4m3"})])
+def test_narrow_values_on_the_device_path_conserve(name, params):
+    _conserves(name, torch.float32, **params)
+
+
+@pytest.mark.parametrize("values", ["fp32", "bf16", "fp8_e4m3"])
+def test_coded_positions_take_no_host_synchronisation(values):
+    """Encode, the residual, and the decode of every rank's code at once: no sync, on the device path."""
+    x = torch.randn(50_000)
+    comp, info = TopKCompressor(0.01, "coded", values), BucketInfo.single(x)
+    with kernels.forced(), counting() as counter:
+        payload = comp.compress(x, info)
+        comp.residual_into(torch.empty_like(x), x, payload)
+        out = comp.aggregate([torch.stack([t, t]) for t in payload.tensors], payload.ctx)
+    assert counter.syncs == {}
+    assert torch.equal(out, 2 * comp.decompress(payload.tensors, payload.ctx))

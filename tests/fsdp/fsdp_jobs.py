@@ -15,6 +15,7 @@ import gcomp.fsdp
 from gcomp.collectives import bitpack
 from gcomp.collectives.p2p import message_nbytes
 from gcomp.collectives.spardl import reduce_scatter_rounds
+from gcomp.collectives.sparse_wire import SparseWire
 from gcomp.compressors import scale_grid
 
 STEPS = 10
@@ -117,7 +118,8 @@ def expected_bytes(name: str, params: dict, model) -> int:
             total += world * (max(1, int(width * params.get("ratio", 0.01))) + 1) * 4
         elif name == "spardl":
             k = max(1, int(width * params.get("density", 0.01)))
-            total += sum(message_nbytes([(torch.int32, count * k), (torch.float32, count * k)])
+            wire = SparseWire(params.get("positions", "coded"), params.get("values", "fp32"))  # coded by default
+            total += sum(message_nbytes(wire.sections(width, k, count, torch.float32))
                          for _, count in reduce_scatter_rounds(world))
     return total
 

@@ -1,0 +1,99 @@
+"""The five sparse methods' wire on gloo ranks: bytes per step by the formula of their positions (coded or raw)
+and values, coded results bit-identical to raw ones (the code is lossless), and narrow values conserving the
+gradient (results plus every rank's residual equal the inputs: rounding stays in the residual)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gcomp
+from gcomp.collectives import coded_positions
+from gcomp.collectives.p2p import message_nbytes
+from gcomp.collectives.spardl import bruck_rounds, reduce_scatter_rounds
+from gcomp.collectives.sparse_wire import SparseWire
+from gcomp.compressors.sparse import entry_bits
+from tests.compressors import coded_jobs
+from tests.distributed import run_ranks
+
+NUMEL, STEPS, RATIO = 20_000, 2, 0.01
+WIRES = [("raw", "fp32"), ("coded", "fp32"), ("coded", "bf16"), ("raw", "fp8_e4m3")]
+METHODS = {"topk": {"ratio": RATIO}, "dgc": {"ratio": RATIO}, "gtopk": {"density": RATIO},
+           "spardl": {"density": RATIO}}
+CONSERVING = [("topk", {"ratio": RATIO}), ("dgc", {"ratio": RATIO, "momentum": 0.0}), ("spardl", {"density": RATIO}),
+              ("threshold", {"threshold": 1.0}), ("topk", {"ratio": RATIO, "values": "fp8_e4m3"}),
+              ("dgc", {"ratio": 0.4, "momentum": 0.0, "values": "fp8_e4m3"})]  # the bitmap form, DGC's padding merged
+
+
+def _allgather_bytes(k: int, positions: str, values: str) -> int:
+    value = {"fp32": 4, "bf16": 2, "fp8_e4m3": 1}[values] * k + (4 if values == "fp8_e4m3" else 0)
+    return value + (coded_positions.coded_bytes(NUMEL, k) if positions == "coded" else 4 * k)
+
+
+def _spardl_bytes(world: int, wire: SparseWire) -> int:
+    width = -(-NUMEL // world)
+    k = max(1, int(width * RATIO))
+    total = sum(message_nbytes(wire.sections(width, k, count, torch.float32)) for _, count in reduce_scatter_rounds(world))
+    item = wire.sections(width, k, 1, torch.float32) if wire.positions == "raw" else \
+        [(torch.uint8, coded_positions.coded_bytes(width, k))] + wire.sections(width, k, 1, torch.float32)[1:]
+    return total + sum(message_nbytes([(dt, count * n) for dt, n in item]) for _, count in bruck_rounds(world))
+
+
+def _expected(name: str, world: int, positions: str, values: str, messages: int) -> int:
+    wire = SparseWire(positions, values)
+    if name == "topk":
+        return STEPS * _allgather_bytes(max(1, int(NUMEL * RATIO)), positions, values)
+    if name == "dgc":
+        return STEPS * _allgather_bytes(math.ceil(NUMEL * RATIO - 1e-6), positions, values)
+    if name == "gtopk":  # every message one set of k
+        return messages * message_nbytes(wire.sections(NUMEL, int(NUMEL * RATIO), 1, torch.float32))
+    return STEPS * _spardl_bytes(world, wire)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bytes_follow_the_formula_and_coding_is_lossless(world):
+    cases = [(name, {**params, "positions": p, "values": v}, "float32") for name, params in METHODS.items()
+             for p, v in WIRES]
+    found = iter(zip(cases, *run_ranks(world, coded_jobs.wire_job, cases, NUMEL, STEPS)))
+    raw = {}
+    for (name, params, _), *ranks in found:
+        positions, values = params["positions"], params["values"]
+        for rank, r in enumerate(ranks):
+            assert r["same"], (name, params, rank)
+            assert r["bytes"] == _expected(name, world, positions, values, r["messages"]), (name, params, rank, r)
+        if (positions, values) == ("raw", "fp32"):
+            raw[name] = ranks[0]["results"]
+        elif values == "fp32":  # coded positions: the very same sums
+            assert torch.equal(ranks[0]["results"], raw[name]), name
+        else:  # narrow values: near, not equal (the first step; a merge of rounded sums may pick another entry)
+            first, want = ranks[0]["results"][0], raw[name][0]
+            assert not torch.equal(first, want), (name, params)
+            near = (first - want).abs() <= want.abs().max() * 2 ** -4
+            assert near.sum() >= NUMEL - RATIO * NUMEL // 4, (name, params, int(near.sum()))
+    coded = 8 * coded_positions.coded_bytes(NUMEL, 200) / 200
+    assert coded < 10  # about 8.6 bits a position, against 32
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_narrow_values_conserve_the_gradient(world):
+    cases = [(name, {**params, "values": params.get("values", "bf16")}, "float64") for name, params in CONSERVING]
+    for (name, params, _), *ranks in zip(cases, *run_ranks(world, coded_jobs.wire_job, cases, NUMEL, STEPS)):
+        for rank, r in enumerate(ranks):
+            assert r["same"], (name, rank)
+            assert r["gap"] < 1e-12, (name, params, rank, r["gap"])
+
+
+def test_threshold_refuses_coded_positions():
+    with pytest.raises(ValueError, match="positions"):
+        gcomp.create("threshold", positions="coded")
+    assert gcomp.create("threshold", values="bf16").compressor.values == "bf16"
+
+
+@pytest.mark.parametrize("n", [1 << 20, 1 << 24])
+def test_topk_at_ratio_001_with_bf16_values_sends_at_most_28_bits_an_entry(n):
+    """The issue's goal (64 bits today): 16 value bits and about 8.6 position bits."""
+    k = int(n * 0.01)
+    assert entry_bits(n, k, "raw", "fp32") == 64
+    assert entry_bits(n, k, "coded", "bf16") == 16 + 8 * coded_positions.coded_bytes(n, k) / k <= 28
+    assert entry_bits(n, k, "coded", "fp8_e4m3") == 8 + 32 / k + 8 * coded_positions.coded_bytes(n, k) / k
