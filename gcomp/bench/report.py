@@ -80,7 +80,8 @@ def markdown(rows: list[dict], full: bool = False) -> str:
     head += " outer steps |" if outer else ""
     if verdicts:
         best = next((r["best_torch_hook"] for r in rows if r.get("best_torch_hook")), None)
-        head += f" TTA vs all-reduce | TTA vs best PyTorch hook ({best}) |" if full else " vs all-reduce |"
+        hook = f"TTA vs best PyTorch hook ({best})" if best else "TTA vs best PyTorch hook (none raced)"
+        head += f" TTA vs all-reduce | {hook} |" if full else " vs all-reduce |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         name = r["method"] + (f" @{r['prune_ratio']:g}" if len(ratios) > 1 and r.get("prune_ratio") is not None

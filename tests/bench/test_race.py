@@ -156,3 +156,12 @@ def test_a_hierarchical_runs_row_carries_its_inter_node_bytes_per_step():
     plain = summarise(parse_method("topk"), config, [0.1] * 4, [], [{k: v for k, v in c.items() if "inter" not in k}
                                                                    for c in counters], [], 0.01, 1.0, 2, 100)
     assert "inter_bytes_per_step" not in plain and plain["prune_ratio"] is None  # topk does not prune
+
+
+def test_the_full_table_says_when_no_pytorch_hook_was_raced():
+    rows = []
+    for seed in range(2):
+        rows += [run("identity", seed, 10.0 + seed), run("fp16", seed, 4.0 + seed)]
+    race.add_derived(rows, None)
+    head = report.markdown(race.summarise(rows), full=True).splitlines()[0]
+    assert "(none raced)" in head and "(None)" not in head
