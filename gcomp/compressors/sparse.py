@@ -116,19 +116,21 @@ class SparseCompressor(Compressor):
         return scratch
 
     def sparse_payload(self, values: torch.Tensor, index: torch.Tensor, like: torch.Tensor,
-                       bucket: BucketInfo | None = None) -> Payload:
+                       bucket: BucketInfo | None = None, positions: str | None = None) -> Payload:
         """``values`` at positions ``index`` of ``bucket``'s layout (a bucket shaped like ``like``); ``bucket``
         lets the decoder reuse its output buffer. The buffers travel in the context, made here, by the encode on
-        the caller's thread: a decode, on the backend's threads, never adds to this object."""
+        the caller's thread: a decode, on the backend's threads, never adds to this object. ``positions``
+        overrides the wire's form (``raw``: a device path that codes its positions later)."""
         n, k = like.numel(), index.numel()
-        if self.positions == "coded":
+        positions = positions or self.positions
+        if positions == "coded":
             index, values = coded_positions.sort_pairs(index, values, n)
             code = coded_positions.encode(index, n)
         else:
             index = code = index.to(index_dtype(n))
         wire, scale, sent = narrow_values.narrow(values, self.values)
         tensors = [wire, code] if scale is None else [wire, code, scale]
-        ctx = SparseCtx(n, like.dtype, bucket, None if bucket is None else self._decoded, k, self.positions,
+        ctx = SparseCtx(n, like.dtype, bucket, None if bucket is None else self._decoded, k, positions,
                         self.values, index, sent)
         return Payload(tensors, ctx=ctx)
 
