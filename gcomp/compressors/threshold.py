@@ -39,7 +39,9 @@ class ThresholdCompressor(SparseCompressor, SizedCodec):
     (int32, int64 past 2**31 elements). On the wire (``SizedAllgatherCommunicator``): one int64 count per rank,
     then by all-gather the values zero-padded to the largest count, the codes zero-padded to the largest code
     (raw positions: to the largest count), fp8's scale as one row. Each rank's code is decoded with its own k,
-    read from the sizes round. Entries several ranks chose are summed.
+    read from the sizes round. Entries several ranks chose are summed. Bytes per rank and bucket, V the value's
+    bits: ``8 + V/8 max(1, max_r k_r) + max(1, max_r coded_bytes(n, k_r))`` (+ 4 with fp8), the code about
+    L + 1 + n / (k 2**L) bits a position with L = max(0, floor(log2(n / k))); raw: ``8 + (V/8 + 4) max(1, max_r k_r)``.
 
     The threshold is on the local gradient: the hook hands over ``g / world``, so that is compared with
     ``threshold / world``. NaN and infinities always pass. The entries are found in one chunked pass over the
