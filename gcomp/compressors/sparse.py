@@ -89,8 +89,9 @@ class SparseCompressor(Compressor):
     The wire (``positions``, ``values``, set by ``wire``): raw positions are int32 (int64 past 2**31 entries) in
     the order chosen; coded ones (``gcomp.collectives.coded_positions``) are sorted, the values permuted alike,
     and sent as one code of ``coded_positions.coded_bytes(n, k)`` bytes, the same on every rank (threshold: its own
-    k per rank, ``ThresholdCompressor.aggregate_counts``), decoded for all ranks at once. Values go in the bucket's dtype (``fp32``) or narrower (``bf16``, ``fp16``, ``fp8_e4m3`` with
-    one fp32 scale: ``gcomp.collectives.narrow_values``); what rounding takes off stays in the residual.
+    k per rank, ``ThresholdCompressor.aggregate_counts``), decoded for all ranks at once. Values go in the
+    bucket's dtype (``fp32``) or narrower (``bf16``, ``fp16``, ``fp8_e4m3`` with one fp32 scale:
+    ``gcomp.collectives.narrow_values``); what rounding takes off stays in the residual.
 
     Decoding writes into one of two buffers kept per bucket layout (``gcomp.bucket_state.Scratch``: DDP holds
     the last step's result while the next is decoded), cleared and added into, not a fresh zeroed bucket. With
