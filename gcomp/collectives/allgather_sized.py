@@ -1,7 +1,9 @@
 """All-gather of payloads whose length differs from rank to rank: sizes first, then zero-padded payloads."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,80 +25,92 @@ class SizedPayload(Payload):
     length: torch.Tensor | None = None
 
 
+class SizedCodec(Compressor):
+    """An all-gather codec whose tensors need not all be ``count`` rows long, ``count`` being the one length per
+    rank the sizes round exchanges (threshold's coded positions: ``coded_bytes(n, count)`` bytes beside ``count``
+    values). What ``SizedAllgatherCommunicator`` asks of it beyond a plain codec; the defaults are a plain
+    codec's (every tensor ``count`` rows, decoded by ``aggregate``)."""
+
+    collective = ALLGATHER
+
+    def rows(self, ctx: Any, count: int) -> list[int]:
+        """Rows along the first dimension of each tensor sent by a rank of length ``count``; the same function
+        on every rank (it sizes the padding of everyone's tensors)."""
+        raise NotImplementedError
+
+    def finish(self, payload: Payload, count: int) -> list[torch.Tensor]:
+        """The tensors this rank sends, once its ``count`` is known on the host (after the sizes round: a device
+        path's encode that needs it); each at least ``rows(count)`` rows, zeros past them. By default as given."""
+        return payload.tensors
+
+    def aggregate_counts(self, gathered: Sequence[torch.Tensor], counts: list[int], ctx: Any) -> torch.Tensor:
+        """``aggregate`` knowing every rank's ``count`` (host integers, from the sizes round): ``gathered[j]`` is
+        ``(world, widest rows of tensor j, ...)``, rank r's first ``rows(counts[r])[j]`` rows its own."""
+        return self.aggregate(gathered, ctx)
+
+
 class SizedAllgatherCommunicator(Communicator):
     """Two rounds per bucket. First every rank's payload length (one int64 each) by all-gather, waited for
-    here in ``exchange`` (the padding depends on it); then each payload tensor, zero-padded along its first
-    dimension to the longest rank's length (at least 1, so no collective is empty), by asynchronous
-    all-gather into a ``(world, longest, ...)`` tensor, which ``aggregate`` receives.
+    here in ``exchange`` and read on the host (the padding depends on it: the bucket's one host synchronisation);
+    then each payload tensor, zero-padded along its first dimension to the longest rank's rows of it (at least 1,
+    so no collective is empty), by asynchronous all-gather into a ``(world, rows, ...)`` tensor.
 
-    All payload tensors of a rank share their first dimension. The codec must read zero padding as adding
-    nothing (a zero value at position 0 does). The size round and the padding are sent too: their bytes are
-    added to ``stats["bytes_sent"]`` and counted in ``stats["padding_bytes"]``.
+    A plain codec's tensors share their first dimension, the length; a ``SizedCodec`` says each tensor's rows for
+    a length (``rows``), may encode after the sizes round (``finish``), and decodes knowing every rank's length
+    (``aggregate_counts``). The codec must read zero padding as adding nothing (a zero value at position 0 does).
+    The future's value is ``(gathered tensors, lengths)``, which ``decode`` hands on.
 
-    A ``SizedPayload`` (a device path) gives its length as a device tensor and is padded already: the sizes are
-    read on the host once, after their all-gather (the one host synchronisation of the bucket), and the first
-    longest-length rows of each tensor go as they are. The same bytes go and are counted as for a payload cut
-    to its length.
+    A ``SizedPayload`` (a device path) gives its length as a device tensor and is padded already: the first
+    rows of each tensor go as they are. Bytes: the pipeline counted the payload's tensors; this adds what
+    makes the bucket's ``bytes_sent`` what went, 8 bytes of size plus each tensor padded to its longest rows,
+    and counts in ``stats["padding_bytes"]`` the size and the rows past this rank's own.
     """
 
     collective = ALLGATHER
     stat_keys = ("padding_bytes",)
-    host_syncs = 1  # the longest length, read to pad
+    host_syncs = 1  # the lengths, read to pad
 
     def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None,
                  stats: dict | None = None) -> torch.futures.Future:
+        world = dist.get_world_size(group)
+        first = payload.tensors[0]
         if isinstance(payload, SizedPayload):
-            return self._exchange_sized(payload, group, stats)
-        world = dist.get_world_size(group)
-        tensors = payload.tensors
-        length = tensors[0].shape[0]
-        mine = torch.full((1,), length, dtype=torch.int64, device=tensors[0].device)
+            mine = payload.length.reshape(1).to(torch.int64)
+        else:
+            mine = torch.full((1,), first.shape[0], dtype=torch.int64, device=first.device)
         sizes = mine.new_empty(world)
-        all_gather_flat(sizes, mine, group)  # synchronous: the width is needed to pad
+        all_gather_flat(sizes, mine, group)  # synchronous: the widths are needed to pad
         count_collectives(stats, "allgather", [mine])
         count_round(stats)
-        width = max(1, int(sizes.max()))
-        outputs, futures, padding = [], [], mine.numel() * mine.element_size()
-        for t in tensors:
-            padded = t.new_zeros(width, *t.shape[1:])
-            padded[:length] = t
-            padding += (padded.numel() - t.numel()) * t.element_size()
-            out = t.new_empty(world * padded.numel())  # gloo wants the flat form
-            futures.append(launched(all_gather_flat(out, padded.view(-1), group, async_op=True)))
-            outputs.append(out.view(world, *padded.shape))
-            count_collectives(stats, "allgather", [padded])
-        count_round(stats)
-        if stats is not None:
-            stats["padding_bytes"] += padding
-            stats["bytes_sent"] += padding
-        return when_all_done(futures, outputs)
+        counts = sizes.tolist()  # the bucket's one host synchronisation
+        own = counts[dist.get_rank(group)]
+        sized = isinstance(compressor, SizedCodec)
+        tensors = compressor.finish(payload, own) if sized else payload.tensors
 
-    def _exchange_sized(self, payload: SizedPayload, group: dist.ProcessGroup | None,
-                        stats: dict | None) -> torch.futures.Future:
-        """``exchange`` of a payload whose length is a device tensor and whose tensors are padded buffers."""
-        world = dist.get_world_size(group)
-        tensors = payload.tensors
-        mine = payload.length.reshape(1).to(torch.int64)
-        sizes = mine.new_empty(world)
-        all_gather_flat(sizes, mine, group)  # synchronous: the width is needed to cut
-        count_collectives(stats, "allgather", [mine])
-        count_round(stats)
-        lengths = sizes.tolist()  # the bucket's one host synchronisation
-        width, own = max(1, max(lengths)), lengths[dist.get_rank(group)]
-        outputs, futures, row_bytes = [], [], 0
-        for t in tensors:
+        def rows(count: int) -> list[int]:
+            return compressor.rows(payload.ctx, count) if sized else [count] * len(tensors)
+
+        widths = [max(1, max(r)) for r in zip(*(rows(c) for c in counts))]
+        outputs, futures, sent, content = [], [], 0, 0
+        for t, width, own_rows in zip(tensors, widths, rows(own)):
             part = t[:width]
-            if part.shape[0] < width:  # a capacity below the longest length: zeros past it
+            if part.shape[0] < width:  # zeros past this rank's rows
                 part = torch.cat([part, t.new_zeros(width - part.shape[0], *t.shape[1:])])
-            row_bytes += part[0].numel() * t.element_size()
+            row_bytes = math.prod(t.shape[1:]) * t.element_size()
+            sent, content = sent + width * row_bytes, content + own_rows * row_bytes
             out = t.new_empty(world * part.numel())  # gloo wants the flat form
             futures.append(launched(all_gather_flat(out, part.reshape(-1), group, async_op=True)))
             outputs.append(out.view(world, *part.shape))
             count_collectives(stats, "allgather", [part])
         count_round(stats)
         if stats is not None:
-            padding = mine.numel() * mine.element_size() + (width - own) * row_bytes
-            stats["padding_bytes"] += padding
-            # the pipeline counted the capacity (``payload.nbytes``): what went is this rank's rows and the padding
-            stats["bytes_sent"] += padding + own * row_bytes - payload.nbytes
-        return when_all_done(futures, outputs)
+            size = mine.numel() * mine.element_size()
+            stats["padding_bytes"] += size + sent - content
+            stats["bytes_sent"] += size + sent - payload.nbytes  # the pipeline counted ``payload.nbytes``
+        return when_all_done(futures, (outputs, counts))
+
+    def decode(self, received, compressor: Compressor, ctx: Any) -> torch.Tensor:
+        gathered, counts = received
+        if isinstance(compressor, SizedCodec):
+            return compressor.aggregate_counts(gathered, counts, ctx)
+        return compressor.aggregate(gathered, ctx)

@@ -88,9 +88,10 @@ class SparseCompressor(Compressor):
 
     The wire (``positions``, ``values``, set by ``wire``): raw positions are int32 (int64 past 2**31 entries) in
     the order chosen; coded ones (``gcomp.collectives.coded_positions``) are sorted, the values permuted alike,
-    and sent as one code of ``coded_positions.coded_bytes(n, k)`` bytes, the same on every rank, decoded for all
-    ranks at once. Values go in the bucket's dtype (``fp32``) or narrower (``bf16``, ``fp16``, ``fp8_e4m3`` with
-    one fp32 scale: ``gcomp.collectives.narrow_values``); what rounding takes off stays in the residual.
+    and sent as one code of ``coded_positions.coded_bytes(n, k)`` bytes, the same on every rank (threshold: its own
+    k per rank, ``ThresholdCompressor.aggregate_counts``), decoded for all ranks at once. Values go in the
+    bucket's dtype (``fp32``) or narrower (``bf16``, ``fp16``, ``fp8_e4m3`` with one fp32 scale:
+    ``gcomp.collectives.narrow_values``); what rounding takes off stays in the residual.
 
     Decoding writes into one of two buffers kept per bucket layout (``gcomp.bucket_state.Scratch``: DDP holds
     the last step's result while the next is decoded), cleared and added into, not a fresh zeroed bucket. With
@@ -116,19 +117,21 @@ class SparseCompressor(Compressor):
         return scratch
 
     def sparse_payload(self, values: torch.Tensor, index: torch.Tensor, like: torch.Tensor,
-                       bucket: BucketInfo | None = None) -> Payload:
+                       bucket: BucketInfo | None = None, positions: str | None = None) -> Payload:
         """``values`` at positions ``index`` of ``bucket``'s layout (a bucket shaped like ``like``); ``bucket``
         lets the decoder reuse its output buffer. The buffers travel in the context, made here, by the encode on
-        the caller's thread: a decode, on the backend's threads, never adds to this object."""
+        the caller's thread: a decode, on the backend's threads, never adds to this object. ``positions``
+        overrides the wire's form (``raw``: a device path that codes its positions later)."""
         n, k = like.numel(), index.numel()
-        if self.positions == "coded":
+        positions = positions or self.positions
+        if positions == "coded":
             index, values = coded_positions.sort_pairs(index, values, n)
             code = coded_positions.encode(index, n)
         else:
             index = code = index.to(index_dtype(n))
         wire, scale, sent = narrow_values.narrow(values, self.values)
         tensors = [wire, code] if scale is None else [wire, code, scale]
-        ctx = SparseCtx(n, like.dtype, bucket, None if bucket is None else self._decoded, k, self.positions,
+        ctx = SparseCtx(n, like.dtype, bucket, None if bucket is None else self._decoded, k, positions,
                         self.values, index, sent)
         return Payload(tensors, ctx=ctx)
 

@@ -14,8 +14,9 @@ from gcomp.bucket import BucketInfo
 def wire_job(cases: list[tuple[str, dict, str]], numel: int, steps: int) -> list[dict]:
     """For each ``(method, params, dtype)``: ``steps`` random buckets of ``numel`` entries (the same on every case
     of a rank), each divided by the world size as the hook does. Returns per case this rank's stats, its results,
-    whether every rank got the same results, and the conservation gap: the largest entry of |sum of results +
-    every rank's residual - sum of every rank's inputs / world|."""
+    whether every rank got the same results, the conservation gap: the largest entry of |sum of results +
+    every rank's residual - sum of every rank's inputs / world|, and (threshold) every rank's count per step,
+    ``(world, steps)``, as its codec chose them."""
     rank, world = dist.get_rank(), dist.get_world_size()
     found = []
     for name, params, dtype_name in cases:
@@ -24,6 +25,15 @@ def wire_job(cases: list[tuple[str, dict, str]], numel: int, steps: int) -> list
         method = gcomp.create(name, **params)
         stats = defaultdict(int)
         method.bind(None, None, stats)
+        counts = []
+        if name == "threshold":  # its count per step, which sizes its wire
+            compress = method.compressor.compress
+
+            def recording(tensor, bucket, compress=compress, counts=counts):
+                payload = compress(tensor, bucket)
+                counts.append(payload.ctx.k)
+                return payload
+            method.compressor.compress = recording
         results, given = [], torch.zeros(numel, dtype=torch.float64)
         for step in range(steps):
             g = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * step + rank), dtype=dtype)
@@ -38,6 +48,9 @@ def wire_job(cases: list[tuple[str, dict, str]], numel: int, steps: int) -> list
         mine = torch.stack(results)
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine)
+        ks = torch.tensor(counts, dtype=torch.int64)
+        every_ks = [torch.empty_like(ks) for _ in range(world)]
+        dist.all_gather(every_ks, ks)
         found.append({"bytes": stats["bytes_sent"], "messages": stats["messages"], "results": mine,
-                      "same": all(torch.equal(t, mine) for t in every), "gap": gap})
+                      "same": all(torch.equal(t, mine) for t in every), "gap": gap, "counts": torch.stack(every_ks)})
     return found

@@ -1,6 +1,7 @@
 """The five sparse methods' wire on gloo ranks: bytes per step by the formula of their positions (coded or raw)
 and values, coded results bit-identical to raw ones (the code is lossless), and narrow values conserving the
-gradient (results plus every rank's residual equal the inputs: rounding stays in the residual)."""
+gradient (results plus every rank's residual equal the inputs: rounding stays in the residual). Threshold's count
+differs per rank: its codes, of each rank's own size, are padded to the longest (the sized all-gather)."""
 from __future__ import annotations
 
 import math
@@ -20,10 +21,11 @@ from tests.distributed import run_ranks
 NUMEL, STEPS, RATIO = 20_000, 2, 0.01
 WIRES = [("raw", "fp32"), ("coded", "fp32"), ("coded", "bf16"), ("raw", "fp8_e4m3")]
 METHODS = {"topk": {"ratio": RATIO}, "dgc": {"ratio": RATIO}, "gtopk": {"density": RATIO},
-           "spardl": {"density": RATIO}}
+           "spardl": {"density": RATIO}, "threshold": {"threshold": 2.5}}  # threshold: about 1.2 % on step 1
 CONSERVING = [("topk", {"ratio": RATIO}), ("dgc", {"ratio": RATIO, "momentum": 0.0}), ("spardl", {"density": RATIO}),
               ("threshold", {"threshold": 1.0}), ("topk", {"ratio": RATIO, "values": "fp8_e4m3"}),
-              ("dgc", {"ratio": 0.4, "momentum": 0.0, "values": "fp8_e4m3"})]  # the bitmap form, DGC's padding merged
+              ("dgc", {"ratio": 0.4, "momentum": 0.0, "values": "fp8_e4m3"}),  # the bitmap form, DGC's padding merged
+              ("threshold", {"threshold": 0.5, "values": "fp8_e4m3"})]  # the bitmap form, counts differing per rank
 
 
 def _allgather_bytes(k: int, positions: str, values: str) -> int:
@@ -40,14 +42,30 @@ def _spardl_bytes(world: int, wire: SparseWire) -> int:
     return total + sum(message_nbytes([(dt, count * n) for dt, n in item]) for _, count in bruck_rounds(world))
 
 
-def _expected(name: str, world: int, positions: str, values: str, messages: int) -> int:
+def _sized_bytes(counts: torch.Tensor, positions: str, values: str) -> int:
+    """Threshold's bytes on one rank over the steps, ``counts[r, s]`` being rank r's count at step s: per step an
+    8-byte count, the values padded to the longest count (at least 1), the positions to the longest code
+    (``coded_bytes(n, k_r)``, at least 1) or raw to the longest count, and fp8's scale as one row:
+    ``8 + max(1, max_r k_r) (v + 4 raw) [+ max(1, max_r coded_bytes(n, k_r))] [+ 4]``."""
+    value, total = {"fp32": 4, "bf16": 2, "fp8_e4m3": 1}[values], 0
+    for step in counts.t().tolist():
+        longest = max(1, max(step))
+        where = max(1, max(coded_positions.coded_bytes(NUMEL, k) for k in step)) if positions == "coded" else \
+            4 * longest
+        total += 8 + value * longest + where + (4 if values == "fp8_e4m3" else 0)
+    return total
+
+
+def _expected(name: str, world: int, positions: str, values: str, r: dict) -> int:
     wire = SparseWire(positions, values)
+    if name == "threshold":
+        return _sized_bytes(r["counts"], positions, values)
     if name == "topk":
         return STEPS * _allgather_bytes(max(1, int(NUMEL * RATIO)), positions, values)
     if name == "dgc":
         return STEPS * _allgather_bytes(math.ceil(NUMEL * RATIO - 1e-6), positions, values)
     if name == "gtopk":  # every message one set of k
-        return messages * message_nbytes(wire.sections(NUMEL, int(NUMEL * RATIO), 1, torch.float32))
+        return r["messages"] * message_nbytes(wire.sections(NUMEL, int(NUMEL * RATIO), 1, torch.float32))
     return STEPS * _spardl_bytes(world, wire)
 
 
@@ -61,7 +79,9 @@ def test_bytes_follow_the_formula_and_coding_is_lossless(world):
         positions, values = params["positions"], params["values"]
         for rank, r in enumerate(ranks):
             assert r["same"], (name, params, rank)
-            assert r["bytes"] == _expected(name, world, positions, values, r["messages"]), (name, params, rank, r)
+            assert r["bytes"] == _expected(name, world, positions, values, r), (name, params, rank, r)
+        if name == "threshold":  # the counts, and so the codes' sizes, differ per rank: padding is tested
+            assert all(len(set(step)) == world for step in ranks[0]["counts"].t().tolist()), ranks[0]["counts"]
         if (positions, values) == ("raw", "fp32"):
             raw[name] = ranks[0]["results"]
         elif values == "fp32":  # coded positions: the very same sums
@@ -84,10 +104,11 @@ def test_narrow_values_conserve_the_gradient(world):
             assert r["gap"] < 1e-12, (name, params, rank, r["gap"])
 
 
-def test_threshold_refuses_coded_positions():
+def test_threshold_codes_its_positions_by_default():
+    assert gcomp.create("threshold").compressor.positions == "coded"
+    assert gcomp.create("threshold", positions="raw", values="bf16").compressor.positions == "raw"
     with pytest.raises(ValueError, match="positions"):
-        gcomp.create("threshold", positions="coded")
-    assert gcomp.create("threshold", values="bf16").compressor.values == "bf16"
+        gcomp.create("threshold", positions="packed")
 
 
 @pytest.mark.parametrize("n", [1 << 20, 1 << 24])

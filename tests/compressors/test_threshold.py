@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gcomp
-from gcomp import BucketInfo
+from gcomp import BucketInfo, kernels
+from gcomp.collectives import coded_positions
 from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator, SizedPayload
 from gcomp.compressors import sparse
 from gcomp.compressors.threshold import ThresholdCompressor, _floor_to
@@ -160,3 +161,59 @@ def test_selection_in_chunks_is_every_entry_above_the_threshold_and_every_non_fi
     assert index.dtype == torch.int32 and torch.equal(index.long(), expected)
     assert torch.equal(values.isnan(), x[expected].isnan())
     assert torch.equal(torch.nan_to_num(values), torch.nan_to_num(x[expected]))
+
+
+# --- coded positions: a code per rank, of its own count's size and form --------------------------------------------
+
+def _stacked(comp, payloads, tensors) -> list[torch.Tensor]:
+    """Every rank's ``tensors`` cut or zero-padded to the longest rows of each (``comp.rows`` of each rank's count) and
+    stacked, as the sized all-gather delivers them."""
+    rows = [comp.rows(p.ctx, p.ctx.k) for p in payloads]
+    widths = [max(1, max(r)) for r in zip(*rows)]
+    out = []
+    for j, width in enumerate(widths):
+        cut = [t[j][:width] for t in tensors]  # a device path's buffers: cut to the longest
+        padded = [torch.cat([c, c.new_zeros(width - c.shape[0], *c.shape[1:])]) for c in cut]
+        out.append(torch.stack(padded))
+    return out
+
+
+@PROPERTY
+@given(n=st.integers(1, 3000), densities=st.lists(st.floats(0, 1), min_size=1, max_size=5),
+       values=st.sampled_from(["fp32", "bf16", "fp8_e4m3"]), seed=st.integers(0, 2**31 - 1))
+def test_coded_positions_decode_each_rank_with_its_own_count(n, densities, values, seed):
+    """Ranks of different counts (0 and n included), so codes of different sizes and forms: summed exactly as
+    each rank's own decode; the device path, coded once its count is known (``finish``), sends the same code."""
+    g = torch.Generator().manual_seed(seed)
+    comp = ThresholdCompressor(1.0, "coded", values)
+    payloads, buckets = [], []
+    for density in densities:
+        x = torch.randn(n, generator=g) * 0.1
+        chosen = torch.randperm(n, generator=g)[:int(density * n)]
+        x[chosen] = (2.0 + torch.rand(chosen.numel(), generator=g)) * torch.sign(torch.randn(chosen.numel(),
+                                                                                             generator=g))
+        payloads.append(comp.compress(x, BucketInfo.single(x)))
+        buckets.append(x)
+        assert payloads[-1].ctx.k == chosen.numel()
+        assert payloads[-1].tensors[1].numel() == coded_positions.coded_bytes(n, chosen.numel())
+    counts = [p.ctx.k for p in payloads]
+    got = comp.aggregate_counts(_stacked(comp, payloads, [p.tensors for p in payloads]), counts, payloads[0].ctx)
+    want = sum(comp.decompress(p.tensors, p.ctx) for p in payloads)
+    assert torch.equal(got, want)
+    with kernels.forced():
+        device = [comp.compress(x, BucketInfo.single(x)) for x in buckets]
+        finished = [comp.finish(p, int(p.length)) for p in device]
+    for cpu, dev, k in zip(payloads, finished, counts):
+        assert torch.equal(dev[1], cpu.tensors[1])  # the same code
+        assert torch.equal(dev[0][:k], cpu.tensors[0]) and not dev[0][k:].any()
+    assert torch.equal(comp.aggregate_counts(_stacked(comp, payloads, finished), counts, device[0].ctx), want)
+
+
+def test_coded_positions_are_smaller_and_raw_fp8_sends_its_scale_once():
+    comp = ThresholdCompressor(1.0, "coded", "fp8_e4m3")
+    x = torch.zeros(10_000)
+    x[::100] = 5.0
+    ctx = comp.compress(x, BucketInfo.single(x)).ctx
+    assert comp.rows(ctx, 100) == [100, coded_positions.coded_bytes(10_000, 100), 1]
+    assert coded_positions.coded_bytes(10_000, 100) < 4 * 100
+    assert ThresholdCompressor(1.0, "raw").rows(ctx, 7) == [7, 7, 1]  # ctx's values: fp8, one scale row
