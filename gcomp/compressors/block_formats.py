@@ -33,6 +33,7 @@ from gcomp.compressors.block_wire import check_length, pack, pair_index, pair_ta
 from gcomp.compressors.minifloat import Minifloat
 
 E4M3 = minifloat.FORMATS["e4m3"]
+DECODE_SLABS = 4  # the decode's slab, in the encode's (``minifloat.SLAB``): fewer slabs, less Python per entry
 
 
 @dataclass(frozen=True)
@@ -143,23 +144,42 @@ class BlockFormat:
                 pack(element[:m], bits, codes, n, start)
         return [codes, *scales]
 
-    def decode(self, tensors: list[torch.Tensor], n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The ``n`` fp32 entries of the wire ``tensors`` (written into ``out`` if given, and returned)."""
+    def decode(self, tensors: list[torch.Tensor], n: int, out: torch.Tensor | None = None,
+               minuend: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``n`` fp32 entries of the wire ``tensors`` (written into ``out`` if given, and returned).
+
+        ``minuend`` (fp32, at most ``n`` entries): ``out`` gets ``minuend - decode`` over ``minuend``'s entries
+        instead, non-finite differences set to 0 (error feedback's residual), slab by slab in cache: the decoded
+        entries are never written out whole."""
         check_length(n, self.block, self.name)
         codes = tensors[0]
         if codes.numel() != n * self.element_bits // 8:
             raise ValueError(f"{self.name}: {codes.numel()} code bytes cannot hold {n} entries")
+        length = n if minuend is None else minuend.numel()
+        if length > n:
+            raise ValueError(f"{self.name}: a minuend of {length} entries for {n} decoded")
         if out is None:
-            out = torch.empty(n, dtype=torch.float32, device=codes.device)
+            out = torch.empty(length, dtype=torch.float32, device=codes.device)
         scale = self.decode_scales(list(tensors[1:]))
         table = pair_table(self.element, codes.device)
-        index = torch.empty(min(n, minifloat.SLAB) // 2 if codes.device.type == "cpu" else n // 2,
-                            dtype=torch.int32, device=codes.device)
+        slab = DECODE_SLABS * minifloat.SLAB  # its buffers: 2 bytes an entry (4 more with a minuend)
+        slab = max(self.block, slab // self.block * self.block)
+        index = torch.empty(min(n, slab) // 2 if codes.device.type == "cpu" else n // 2, dtype=torch.int32,
+                            device=codes.device)
+        decoded = None if minuend is None else torch.empty(index.numel() * 2, dtype=torch.float32,
+                                                           device=codes.device)
         bits = self.element_bits
-        for start, stop in minifloat._slabs(n, codes.device, self.block):
+        for start, stop in minifloat._slabs(n, codes.device, self.block, slab):
+            if start >= length:
+                break
             chosen = pair_index(codes, bits, n, start, stop, index[:(stop - start) // 2])
-            torch.index_select(table, 0, chosen, out=out[start:stop].view(torch.int64))
-            out[start:stop].view(-1, self.block).mul_(scale[start // self.block:stop // self.block, None])
+            into = out[start:stop] if decoded is None else decoded[:stop - start]
+            torch.index_select(table, 0, chosen, out=into.view(torch.int64))
+            into.view(-1, self.block).mul_(scale[start // self.block:stop // self.block, None])
+            if decoded is not None:
+                end = min(stop, length)
+                torch.sub(minuend[start:end], into[:end - start], out=out[start:end])
+                out[start:end].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         return out
 
 

@@ -147,6 +147,22 @@ class BlockScaledCompressor(Compressor):
             flat = flat - ctx.stray
         return flat.to(ctx.dtype).view(ctx.shape)
 
+    def residual_into(self, out: torch.Tensor, tensor: torch.Tensor, payload: Payload) -> bool:
+        """``tensor - decompress(payload)``, non-finite entries 0, into ``out``, fused slab by slab with the decode
+        (``BlockFormat.decode``'s ``minuend``): the decoded bucket is never written out. fp32 DDP buckets with no
+        stray owner error only; else False (the memory decompresses and subtracts)."""
+        ctx = payload.ctx
+        if ctx.valid is not None or ctx.stray is not None or tensor.dtype != torch.float32 \
+                or out.dtype != torch.float32:
+            return False
+        flat, into = tensor.reshape(-1), out.view(-1)
+        for r in range(ctx.rows):
+            low, high = r * ctx.width, min(ctx.numel, (r + 1) * ctx.width)
+            if high > low:
+                self.fmt.decode([t[r] for t in payload.tensors], ctx.width, out=into[low:high],
+                                minuend=flat[low:high])
+        return True
+
     # --- the second phase and the result ---------------------------------------------------------------------
 
     def sum_received(self, received, width: int, dtype: torch.dtype, bucket: BucketInfo) -> torch.Tensor:

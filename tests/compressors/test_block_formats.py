@@ -231,3 +231,20 @@ def test_bad_input_is_refused():
         block_format("fp8_e4m3", block=6)
     with pytest.raises(ValueError, match="rounding"):
         block_format("fp8_e5m2").encode(torch.ones(128), rounding="up")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_with_a_minuend_is_the_difference_with_non_finite_zeroed(name, monkeypatch):
+    fmt = block_format(name)
+    monkeypatch.setattr(minifloat, "SLAB", fmt.block)  # decode slabs of 4 blocks, the minuend ending inside one
+    x = torch.randn(fmt.block * 13, generator=torch.Generator().manual_seed(3)) * 10
+    x[5], x[fmt.block * 7 + 1] = float("nan"), float("inf")
+    wire = fmt.encode(x)
+    m = x.numel() - fmt.block * 4 - 3
+    minuend = x[:m] * 1.5
+    expected = torch.nan_to_num(minuend - fmt.decode(wire, x.numel())[:m], nan=0.0, posinf=0.0, neginf=0.0)
+    got = fmt.decode(wire, x.numel(), minuend=minuend)
+    assert got.numel() == m and torch.equal(got, expected)
+    assert not (minuend - fmt.decode(wire, x.numel())[:m]).isfinite().all()  # there was something to zero
+    with pytest.raises(ValueError, match="minuend"):
+        fmt.decode(wire, x.numel(), minuend=torch.zeros(x.numel() + fmt.block))

@@ -126,3 +126,22 @@ def test_device_path_is_bucket_wide_without_host_syncs():
     counts = run_ranks(1, ops.job_device_counts, specs, configs)[0]
     for spec in specs:
         ops.check_bounded(spec, counts, declared=0, configs=configs)
+
+
+@pytest.mark.parametrize("spec", ["fp8", "mx:format=mxfp6_e3m2", "mx:format=nvfp4,rounding=stochastic"])
+@pytest.mark.parametrize("world, numel", [(1, 640), (3, 1000), (4, 4096)])
+def test_residual_is_the_fused_decode_of_the_payload(spec, world, numel):
+    """``residual_into`` (decode and subtraction fused slab by slab) == the memory's decompress-and-subtract."""
+    name, params = gcomp.registry.parse_spec(spec)
+    compressor = gcomp.create(name, **params).compressor
+    compressor.world = world
+    x = jobs._grad(0, 0, numel)
+    x[7] = float("inf")
+    bucket = gcomp.BucketInfo.single(x)
+    payload = compressor.compress(x, bucket)
+    out = torch.full_like(x, 123.0)
+    assert compressor.residual_into(out, x, payload)
+    expected = torch.nan_to_num(x - compressor.decompress(payload.tensors, payload.ctx), nan=0.0, posinf=0.0,
+                                neginf=0.0)
+    assert torch.equal(out, expected) and out[7] == 0
+    assert not compressor.residual_into(out.double(), x.double(), compressor.compress(x.double(), bucket))
