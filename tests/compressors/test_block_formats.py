@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gcomp.compressors import minifloat
-from gcomp.compressors.block_formats import NAMES, block_format
+from gcomp.compressors.block_formats import NAMES, block_format, e4m3_value
 from gcomp.compressors.block_wire import pack, unpack
 from tests.compressors.minifloat_reference import REFERENCES, fp32
 
@@ -248,3 +248,10 @@ def test_decode_with_a_minuend_is_the_difference_with_non_finite_zeroed(name, mo
     assert not (minuend - fmt.decode(wire, x.numel())[:m]).isfinite().all()  # there was something to zero
     with pytest.raises(ValueError, match="minuend"):
         fmt.decode(wire, x.numel(), minuend=torch.zeros(x.numel() + fmt.block))
+
+
+def test_e4m3_scale_values_are_torchs_float8_cast():
+    codes = torch.arange(256, dtype=torch.uint8)
+    got, cast = e4m3_value(codes), codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(got.isnan(), cast.isnan()) and got.isnan().sum() == 2
+    assert torch.equal(got.nan_to_num(), cast.nan_to_num()) and torch.equal(got.signbit(), cast.signbit())
