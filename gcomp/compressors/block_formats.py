@@ -106,11 +106,12 @@ class BlockFormat:
         return e4m3_value(scales[0]).mul_(scales[1])
 
     # -- the wire ----------------------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, rounding: str = "nearest",
-               generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    def encode(self, x: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None,
+               codes: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The wire tensors of the flat fp32 ``x`` (its length a multiple of ``block``): the element codes, then the
         scales. ``rounding``: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased; draws from
-        ``generator`` on ``x``'s device)."""
+        ``generator`` on ``x``'s device). ``codes``: a flat uint8 tensor the element codes are written into (a
+        buffer kept across steps: a fresh one costs its page faults on the CPU), else a fresh one."""
         if rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', not {rounding!r}")
         if x.dtype != torch.float32 or x.dim() != 1:
@@ -125,7 +126,11 @@ class BlockFormat:
         cast = rounding == "nearest" and self.element.carrier is not None
         if cast and not divide:
             factor = factor * minifloat.alignment(self.element)  # powers of two: exact
-        codes = torch.empty(n * self.element_bits // 8, dtype=torch.uint8, device=x.device)
+        if codes is None:
+            codes = torch.empty(n * self.element_bits // 8, dtype=torch.uint8, device=x.device)
+        elif codes.dtype != torch.uint8 or codes.shape != (n * self.element_bits // 8,):
+            raise ValueError(f"{self.name}: codes must be uint8 of shape ({n * self.element_bits // 8},), not "
+                             f"{codes.dtype} {tuple(codes.shape)}")
         scaled = torch.empty_like(work.f)
         element = torch.empty(scaled.numel(), dtype=torch.uint8, device=x.device) if self.element_bits < 8 else None
         spare = work.s.view(torch.uint8)

@@ -145,3 +145,17 @@ def test_residual_is_the_fused_decode_of_the_payload(spec, world, numel):
                                 neginf=0.0)
     assert torch.equal(out, expected) and out[7] == 0
     assert not compressor.residual_into(out.double(), x.double(), compressor.compress(x.double(), bucket))
+
+
+def test_codes_are_written_into_a_kept_buffer_unless_a_payload_still_holds_it():
+    method = gcomp.create("mx", format="mxfp4")
+    x = jobs._grad(0, 0, 640)
+    bucket = gcomp.BucketInfo.single(x)
+    first = method.compressor.compress(x, bucket)
+    held = first.tensors[0].untyped_storage().data_ptr()
+    second = method.compressor.compress(x, bucket)  # the first payload is alive: a buffer of its own
+    assert second.tensors[0].untyped_storage().data_ptr() != held
+    assert all(torch.equal(a, b) for a, b in zip(first.tensors, second.tensors))
+    del first, second
+    again = method.compressor.compress(x, bucket)
+    assert again.tensors[0].untyped_storage().data_ptr() == held  # kept: no fresh pages
