@@ -33,6 +33,7 @@ from gcomp.compressors.block_wire import check_length, pack, pair_index, pair_ta
 from gcomp.compressors.minifloat import Minifloat
 
 E4M3 = minifloat.FORMATS["e4m3"]
+DECODE_SLABS = 4  # the decode's slab, in the encode's (``minifloat.SLAB``): fewer slabs, less Python per entry
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class BlockFormat:
         glob = glob / (6 * E4M3.max)
         ratio = amax.div(6).div_(glob).nan_to_num_(nan=0.0).masked_fill_(~finite, float("nan"))  # global 0: 0
         code = ratio.clamp_(max=E4M3.max).to(torch.float8_e4m3fn)  # to nearest even; NaN: S.1111.111
-        divisor = code.float().mul_(glob)
+        divisor = e4m3_value(code.view(torch.uint8)).mul_(glob)
         return [code.view(torch.uint8), glob], divisor.masked_fill_(divisor == 0, 1.0), True
 
     def decode_scales(self, scales: list[torch.Tensor]) -> torch.Tensor:
@@ -102,14 +103,15 @@ class BlockFormat:
             return scales[0]
         if self.kind == "mx":
             return e8m0_value(scales[0])
-        return scales[0].view(torch.float8_e4m3fn).float().mul_(scales[1])
+        return e4m3_value(scales[0]).mul_(scales[1])
 
     # -- the wire ----------------------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, rounding: str = "nearest",
-               generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    def encode(self, x: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None,
+               codes: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The wire tensors of the flat fp32 ``x`` (its length a multiple of ``block``): the element codes, then the
         scales. ``rounding``: ``"nearest"`` (ties to even) or ``"stochastic"`` (unbiased; draws from
-        ``generator`` on ``x``'s device)."""
+        ``generator`` on ``x``'s device). ``codes``: a flat uint8 tensor the element codes are written into (a
+        buffer kept across steps: a fresh one costs its page faults on the CPU), else a fresh one."""
         if rounding not in ("nearest", "stochastic"):
             raise ValueError(f"rounding must be 'nearest' or 'stochastic', not {rounding!r}")
         if x.dtype != torch.float32 or x.dim() != 1:
@@ -124,7 +126,11 @@ class BlockFormat:
         cast = rounding == "nearest" and self.element.carrier is not None
         if cast and not divide:
             factor = factor * minifloat.alignment(self.element)  # powers of two: exact
-        codes = torch.empty(n * self.element_bits // 8, dtype=torch.uint8, device=x.device)
+        if codes is None:
+            codes = torch.empty(n * self.element_bits // 8, dtype=torch.uint8, device=x.device)
+        elif codes.dtype != torch.uint8 or codes.shape != (n * self.element_bits // 8,):
+            raise ValueError(f"{self.name}: codes must be uint8 of shape ({n * self.element_bits // 8},), not "
+                             f"{codes.dtype} {tuple(codes.shape)}")
         scaled = torch.empty_like(work.f)
         element = torch.empty(scaled.numel(), dtype=torch.uint8, device=x.device) if self.element_bits < 8 else None
         spare = work.s.view(torch.uint8)
@@ -143,24 +149,49 @@ class BlockFormat:
                 pack(element[:m], bits, codes, n, start)
         return [codes, *scales]
 
-    def decode(self, tensors: list[torch.Tensor], n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The ``n`` fp32 entries of the wire ``tensors`` (written into ``out`` if given, and returned)."""
+    def decode(self, tensors: list[torch.Tensor], n: int, out: torch.Tensor | None = None,
+               minuend: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``n`` fp32 entries of the wire ``tensors`` (written into ``out`` if given, and returned).
+
+        ``minuend`` (fp32, at most ``n`` entries): ``out`` gets ``minuend - decode`` over ``minuend``'s entries
+        instead, non-finite differences set to 0 (error feedback's residual), slab by slab in cache: the decoded
+        entries are never written out whole."""
         check_length(n, self.block, self.name)
         codes = tensors[0]
         if codes.numel() != n * self.element_bits // 8:
             raise ValueError(f"{self.name}: {codes.numel()} code bytes cannot hold {n} entries")
+        length = n if minuend is None else minuend.numel()
+        if length > n:
+            raise ValueError(f"{self.name}: a minuend of {length} entries for {n} decoded")
         if out is None:
-            out = torch.empty(n, dtype=torch.float32, device=codes.device)
+            out = torch.empty(length, dtype=torch.float32, device=codes.device)
         scale = self.decode_scales(list(tensors[1:]))
         table = pair_table(self.element, codes.device)
-        index = torch.empty(min(n, minifloat.SLAB) // 2 if codes.device.type == "cpu" else n // 2,
-                            dtype=torch.int32, device=codes.device)
+        slab = DECODE_SLABS * minifloat.SLAB  # its buffers: 2 bytes an entry (4 more with a minuend)
+        slab = max(self.block, slab // self.block * self.block)
+        index = torch.empty(min(n, slab) // 2 if codes.device.type == "cpu" else n // 2, dtype=torch.int32,
+                            device=codes.device)
+        decoded = None if minuend is None else torch.empty(index.numel() * 2, dtype=torch.float32,
+                                                           device=codes.device)
         bits = self.element_bits
-        for start, stop in minifloat._slabs(n, codes.device, self.block):
+        for start, stop in minifloat._slabs(n, codes.device, self.block, slab):
+            if start >= length:
+                break
             chosen = pair_index(codes, bits, n, start, stop, index[:(stop - start) // 2])
-            torch.index_select(table, 0, chosen, out=out[start:stop].view(torch.int64))
-            out[start:stop].view(-1, self.block).mul_(scale[start // self.block:stop // self.block, None])
+            into = out[start:stop] if decoded is None else decoded[:stop - start]
+            torch.index_select(table, 0, chosen, out=into.view(torch.int64))
+            into.view(-1, self.block).mul_(scale[start // self.block:stop // self.block, None])
+            if decoded is not None:
+                end = min(stop, length)
+                torch.sub(minuend[start:end], into[:end - start], out=out[start:end])
+                out[start:end].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         return out
+
+
+def e4m3_value(code: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of the uint8 E4M3 ``code``s, gathered from ``minifloat.table`` (on the CPU several times
+    faster than torch's float8 -> fp32 cast, the same values)."""
+    return torch.index_select(minifloat.table(E4M3, code.device), 0, code.to(torch.int32))
 
 
 def e8m0_value(code: torch.Tensor) -> torch.Tensor:

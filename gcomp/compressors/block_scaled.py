@@ -75,6 +75,7 @@ class BlockScaledCompressor(Compressor):
         # the results (DDP holds one into the next step: two kept)
         self._rows, self._decoded, self._results = Scratch(slots=1), Scratch(slots=1), Scratch(slots=2)
         self._sums, self._row = Scratch(slots=1), Scratch(slots=1)  # the owner's sum, a chunk decoded into it
+        self._codes, self._owner_codes = Scratch(slots=2), Scratch(slots=2)  # the two phases' element codes
         self.world, self.rank = 1, 0
 
     def bind(self, model, group, stats) -> None:
@@ -90,13 +91,21 @@ class BlockScaledCompressor(Compressor):
     def _generator(self, device) -> torch.Generator | None:
         return self.stream.next(device) if self.rounding == "stochastic" else None
 
-    def encode_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Each row of ``rows`` (fp32, ``(R, c)``) encoded on its own, stacked: tensor i is ``(R, len_i)``."""
-        encoded = [self.fmt.encode(row, rounding=self.rounding, generator=self._generator(rows.device))
-                   for row in rows]
+    def encode_rows(self, rows: torch.Tensor, bucket: BucketInfo | None = None, kept: Scratch | None = None
+                    ) -> list[torch.Tensor]:
+        """Each row of ``rows`` (fp32, ``(R, c)``) encoded on its own, stacked: tensor i is ``(R, len_i)``. With
+        ``kept``, the element codes are written straight into its buffer for ``bucket`` (no stack, no fresh
+        pages): it hands out only buffers nobody holds, so a payload still in flight keeps its own."""
+        codes = None
+        if kept is not None:
+            size = rows.shape[1] * self.fmt.element_bits // 8
+            codes = kept.take(bucket, rows.shape[0] * size, torch.uint8, rows.device).view(rows.shape[0], size)
+        encoded = [self.fmt.encode(row, rounding=self.rounding, generator=self._generator(rows.device),
+                                   codes=None if codes is None else codes[r]) for r, row in enumerate(rows)]
         if len(encoded) == 1:  # one row: its tensors as they are, no copy
             return [part.unsqueeze(0) for part in encoded[0]]
-        return [torch.stack(parts) for parts in zip(*encoded)]
+        first = codes if codes is not None else torch.stack([e[0] for e in encoded])
+        return [first, *(torch.stack(parts) for parts in list(zip(*encoded))[1:])]
 
     def decode_rows(self, tensors, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The ``(R, width)`` fp32 decode of stacked rows, each decoded straight into its place (in ``out``)."""
@@ -125,7 +134,7 @@ class BlockScaledCompressor(Compressor):
             else:
                 torch.add(flat, stray, out=rows[:numel])
         ctx = RowsCtx(bucket, tensor.shape, tensor.dtype, numel, self.world, width, stray=stray)
-        return Payload(self.encode_rows(rows.view(self.world, width)), ctx)
+        return Payload(self.encode_rows(rows.view(self.world, width), bucket, self._codes), ctx)
 
     def compress_rows(self, tensor: torch.Tensor, bucket: BucketInfo, rows: int) -> Payload:
         """FSDP2's input (flat, ``rows`` shard-major rows of S entries) with each row padded to the block and
@@ -135,7 +144,7 @@ class BlockScaledCompressor(Compressor):
         padded = torch.zeros(rows, width, dtype=torch.float32, device=tensor.device)
         padded[:, :valid].copy_(tensor.reshape(rows, valid))
         ctx = RowsCtx(bucket, tensor.shape, tensor.dtype, tensor.numel(), rows, width, valid=valid)
-        return Payload(self.encode_rows(padded), ctx)
+        return Payload(self.encode_rows(padded, bucket, self._codes), ctx)
 
     def decompress(self, tensors, ctx: RowsCtx) -> torch.Tensor:
         """What this rank's payload carries of the tensor it was compressed from (its own rounding, before any
@@ -146,6 +155,22 @@ class BlockScaledCompressor(Compressor):
         if ctx.stray is not None:
             flat = flat - ctx.stray
         return flat.to(ctx.dtype).view(ctx.shape)
+
+    def residual_into(self, out: torch.Tensor, tensor: torch.Tensor, payload: Payload) -> bool:
+        """``tensor - decompress(payload)``, non-finite entries 0, into ``out``, fused slab by slab with the decode
+        (``BlockFormat.decode``'s ``minuend``): the decoded bucket is never written out. fp32 DDP buckets with no
+        stray owner error only; else False (the memory decompresses and subtracts)."""
+        ctx = payload.ctx
+        if ctx.valid is not None or ctx.stray is not None or tensor.dtype != torch.float32 \
+                or out.dtype != torch.float32:
+            return False
+        flat, into = tensor.reshape(-1), out.view(-1)
+        for r in range(ctx.rows):
+            low, high = r * ctx.width, min(ctx.numel, (r + 1) * ctx.width)
+            if high > low:
+                self.fmt.decode([t[r] for t in payload.tensors], ctx.width, out=into[low:high],
+                                minuend=flat[low:high])
+        return True
 
     # --- the second phase and the result ---------------------------------------------------------------------
 
@@ -169,7 +194,7 @@ class BlockScaledCompressor(Compressor):
         if self.error_feedback and high > low:
             error = self._owner.get(ctx.bucket, self._like(ctx, total.device))["owner_error"]
             total[:high - low] += error[low:high]
-        encoded = self.encode_rows(total.float().view(1, -1))
+        encoded = self.encode_rows(total.float().view(1, -1), ctx.bucket, self._owner_codes)
         if error is not None:
             sent = self.fmt.decode([t[0] for t in encoded], ctx.width,
                                    out=self._row.take(ctx.bucket, ctx.width, torch.float32, total.device))[:high - low]

@@ -90,7 +90,7 @@ def pair_index(packed: torch.Tensor, bits: int, n: int, start: int, stop: int, o
     written into ``out`` (int32, one per two entries)."""
     low, high = _planes(packed, bits, n, start, stop)
     if bits == 8:
-        return out.copy_(low.view(torch.int16)).bitwise_and_(0xFFFF)
+        return out.copy_(low.view(torch.uint16))  # unsigned: no sign to mask off
     out.copy_(low)
     if bits == 6:  # each byte of tops holds two pairs' 4 bits: spread them to one per pair, then above the nibbles
         spread = high.to(torch.int16)

@@ -154,12 +154,14 @@ def table(fmt: Minifloat | str, device: torch.device | str = "cpu") -> torch.Ten
     return found
 
 
-def _slabs(n: int, device: torch.device, unit: int = 1):
-    """``(start, stop)`` of the slabs a tensor of ``n`` entries is taken in (whole multiples of ``unit``)."""
-    if device.type != "cpu" or n <= SLAB:
+def _slabs(n: int, device: torch.device, unit: int = 1, slab: int | None = None):
+    """``(start, stop)`` of the slabs a tensor of ``n`` entries is taken in (whole multiples of ``unit``; ``slab``
+    entries at most, ``SLAB`` by default)."""
+    slab = SLAB if slab is None else slab
+    if device.type != "cpu" or n <= slab:
         yield 0, n
         return
-    step = max(unit, SLAB // unit * unit)
+    step = max(unit, slab // unit * unit)
     for start in range(0, n, step):
         yield start, min(n, start + step)
 

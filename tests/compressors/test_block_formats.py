@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gcomp.compressors import minifloat
-from gcomp.compressors.block_formats import NAMES, block_format
+from gcomp.compressors.block_formats import NAMES, block_format, e4m3_value
 from gcomp.compressors.block_wire import pack, unpack
 from tests.compressors.minifloat_reference import REFERENCES, fp32
 
@@ -231,3 +231,27 @@ def test_bad_input_is_refused():
         block_format("fp8_e4m3", block=6)
     with pytest.raises(ValueError, match="rounding"):
         block_format("fp8_e5m2").encode(torch.ones(128), rounding="up")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_with_a_minuend_is_the_difference_with_non_finite_zeroed(name, monkeypatch):
+    fmt = block_format(name)
+    monkeypatch.setattr(minifloat, "SLAB", fmt.block)  # decode slabs of 4 blocks, the minuend ending inside one
+    x = torch.randn(fmt.block * 13, generator=torch.Generator().manual_seed(3)) * 10
+    x[5], x[fmt.block * 7 + 1] = float("nan"), float("inf")
+    wire = fmt.encode(x)
+    m = x.numel() - fmt.block * 4 - 3
+    minuend = x[:m] * 1.5
+    expected = torch.nan_to_num(minuend - fmt.decode(wire, x.numel())[:m], nan=0.0, posinf=0.0, neginf=0.0)
+    got = fmt.decode(wire, x.numel(), minuend=minuend)
+    assert got.numel() == m and torch.equal(got, expected)
+    assert not (minuend - fmt.decode(wire, x.numel())[:m]).isfinite().all()  # there was something to zero
+    with pytest.raises(ValueError, match="minuend"):
+        fmt.decode(wire, x.numel(), minuend=torch.zeros(x.numel() + fmt.block))
+
+
+def test_e4m3_scale_values_are_torchs_float8_cast():
+    codes = torch.arange(256, dtype=torch.uint8)
+    got, cast = e4m3_value(codes), codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(got.isnan(), cast.isnan()) and got.isnan().sum() == 2
+    assert torch.equal(got.nan_to_num(), cast.nan_to_num()) and torch.equal(got.signbit(), cast.signbit())

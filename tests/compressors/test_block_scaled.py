@@ -126,3 +126,36 @@ def test_device_path_is_bucket_wide_without_host_syncs():
     counts = run_ranks(1, ops.job_device_counts, specs, configs)[0]
     for spec in specs:
         ops.check_bounded(spec, counts, declared=0, configs=configs)
+
+
+@pytest.mark.parametrize("spec", ["fp8", "mx:format=mxfp6_e3m2", "mx:format=nvfp4,rounding=stochastic"])
+@pytest.mark.parametrize("world, numel", [(1, 640), (3, 1000), (4, 4096)])
+def test_residual_is_the_fused_decode_of_the_payload(spec, world, numel):
+    """``residual_into`` (decode and subtraction fused slab by slab) == the memory's decompress-and-subtract."""
+    name, params = gcomp.registry.parse_spec(spec)
+    compressor = gcomp.create(name, **params).compressor
+    compressor.world = world
+    x = jobs._grad(0, 0, numel)
+    x[7] = float("inf")
+    bucket = gcomp.BucketInfo.single(x)
+    payload = compressor.compress(x, bucket)
+    out = torch.full_like(x, 123.0)
+    assert compressor.residual_into(out, x, payload)
+    expected = torch.nan_to_num(x - compressor.decompress(payload.tensors, payload.ctx), nan=0.0, posinf=0.0,
+                                neginf=0.0)
+    assert torch.equal(out, expected) and out[7] == 0
+    assert not compressor.residual_into(out.double(), x.double(), compressor.compress(x.double(), bucket))
+
+
+def test_codes_are_written_into_a_kept_buffer_unless_a_payload_still_holds_it():
+    method = gcomp.create("mx", format="mxfp4")
+    x = jobs._grad(0, 0, 640)
+    bucket = gcomp.BucketInfo.single(x)
+    first = method.compressor.compress(x, bucket)
+    held = first.tensors[0].untyped_storage().data_ptr()
+    second = method.compressor.compress(x, bucket)  # the first payload is alive: a buffer of its own
+    assert second.tensors[0].untyped_storage().data_ptr() != held
+    assert all(torch.equal(a, b) for a, b in zip(first.tensors, second.tensors))
+    del first, second
+    again = method.compressor.compress(x, bucket)
+    assert again.tensors[0].untyped_storage().data_ptr() == held  # kept: no fresh pages
