@@ -169,7 +169,7 @@ class BlockFormat:
         table = pair_table(self.element, codes.device)
         slab = DECODE_SLABS * minifloat.SLAB  # its buffers: 2 bytes an entry (4 more with a minuend)
         slab = max(self.block, slab // self.block * self.block)
-        index = torch.empty(min(n, slab) // 2 if codes.device.type == "cpu" else n // 2, dtype=torch.int32,
+        index = torch.empty(min(n, slab) // 2 if minifloat.in_slabs(codes.device) else n // 2, dtype=torch.int32,
                             device=codes.device)
         decoded = None if minuend is None else torch.empty(index.numel() * 2, dtype=torch.float32,
                                                            device=codes.device)

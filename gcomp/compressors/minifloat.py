@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gcomp import kernels
+
 SLAB = 1 << 17  # entries per slab on the CPU: the work buffers (fp32, int32, bool) fit a core's L2
 _EXPONENT = 0x7F800000
 
@@ -154,11 +156,17 @@ def table(fmt: Minifloat | str, device: torch.device | str = "cpu") -> torch.Ten
     return found
 
 
+def in_slabs(device: torch.device) -> bool:
+    """Whether a tensor on ``device`` is taken in slabs: on the CPU, but not on the device path (a GPU's, or any
+    device's while ``gcomp.kernels.forced``), which takes the tensor whole in a fixed number of operations."""
+    return device.type == "cpu" and kernels.forced_kind() is None
+
+
 def _slabs(n: int, device: torch.device, unit: int = 1, slab: int | None = None):
     """``(start, stop)`` of the slabs a tensor of ``n`` entries is taken in (whole multiples of ``unit``; ``slab``
     entries at most, ``SLAB`` by default)."""
     slab = SLAB if slab is None else slab
-    if device.type != "cpu" or n <= slab:
+    if not in_slabs(device) or n <= slab:
         yield 0, n
         return
     step = max(unit, slab // unit * unit)
@@ -179,7 +187,7 @@ class Work:
 
 
 def work_for(n: int, device: torch.device) -> Work:
-    return Work(min(n, SLAB) if device.type == "cpu" else n, device)
+    return Work(min(n, SLAB) if in_slabs(device) else n, device)
 
 
 _CONSTANTS: dict[tuple[int, str], torch.Tensor] = {}
@@ -258,7 +266,7 @@ def decode(codes: torch.Tensor, fmt: Minifloat | str, out: torch.Tensor | None =
     if out is None:
         out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
     values = table(fmt, codes.device)
-    index = torch.empty(min(flat.numel(), SLAB) if codes.device.type == "cpu" else flat.numel(),
+    index = torch.empty(min(flat.numel(), SLAB) if in_slabs(codes.device) else flat.numel(),
                         dtype=torch.int32, device=codes.device)
     for start, stop in _slabs(flat.numel(), codes.device):
         chosen = index[:stop - start].copy_(flat[start:stop])
