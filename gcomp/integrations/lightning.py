@@ -122,7 +122,7 @@ class DiLoCoCallback(Callback):
         self._args = dict(sync_every=sync_every, method=method, inner_group=inner_group, **options)
         self.outer = None
         self._saved = None  # a checkpoint's state, loaded once the outer state exists
-        self._seen_step = 0  # the trainer's global_step at the last outer.step()
+        self._loaded = False  # whether a checkpoint gave the outer state its step count
 
     def on_fit_start(self, trainer, pl_module) -> None:
         from gcomp.outer import DiLoCo, keep_local
@@ -131,14 +131,19 @@ class DiLoCoCallback(Callback):
         if isinstance(ddp, DistributedDataParallel):
             keep_local(ddp, self._args["inner_group"])
         self.outer = DiLoCo(pl_module, **self._args)
-        self._seen_step = trainer.global_step
         if self._saved is not None:
             self.outer.load_state_dict(self._saved)
-            self._saved = None
+            self._saved, self._loaded = None, True
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning restores global_step after on_fit_start: a resume from a checkpoint that holds no outer state
+        # starts the outer count there, rather than replaying the steps already taken
+        if self.outer is not None and not self._loaded:
+            self.outer.iteration = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        while self.outer is not None and self._seen_step < trainer.global_step:  # once per optimizer step
-            self._seen_step += 1
+        # the outer state counts its own steps (and a checkpoint restores that count): one call per optimizer step
+        while self.outer is not None and self.outer.iteration < trainer.global_step:
             self.outer.step()
 
     def state_dict(self) -> dict[str, Any]:
@@ -152,3 +157,4 @@ class DiLoCoCallback(Callback):
             self._saved = saved
         else:
             self.outer.load_state_dict(saved)
+            self._loaded = True
