@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 import gcomp
+from gcomp.outer import arguments as outer_arguments
 from gcomp.registry import parse_spec
 
 OUTER_LOOPS = ("diloco",)
@@ -124,15 +125,14 @@ def _check(text: str, params: dict) -> None:
     if params["fragments"] > params["every"]:
         raise ValueError(f"--outer {text!r}: fragments ({params['fragments']}) above every ({params['every']}): "
                          "each fragment needs its own step of the H")
-    if params["overlap"] * params["fragments"] >= params["every"]:
+    if params["overlap"] * params["fragments"] >= params["every"]:  # gcomp.outer's rule, in the spec's words
         raise ValueError(f"--outer {text!r}: overlap ({params['overlap']}) must be below every / fragments "
                          f"({params['every']} / {params['fragments']}): a fragment lands before the next leaves")
     method = params["method"]
     if method.startswith("torch:") or method.partition(":")[0] in OUTER_LOOPS:
         raise ValueError(f"--outer {text!r}: method must be a gcomp method (gcomp list); got {method!r}")
     try:
-        name, nested = parse_spec(method)  # unknown names (with close names), keys and types
-        gcomp.create(name, **nested)  # its values, now rather than in a worker
+        outer_arguments.outer_method(method)  # unknown names (with close names), keys, values; reads the model
     except ValueError as err:
         swallowed = [k for k in DEFAULTS if f",{k}=" in method]
         if swallowed:

@@ -100,3 +100,10 @@ def test_a_brief_unshaped_race_of_an_outer_loop_beside_all_reduce(tmp_path, caps
     assert simulate.main(["--results", str(out / "results.json"), "--workers", "8", "--bandwidth", "1gbit"]) == 0
     projected = json.loads((out / "simulate.json").read_text())["rows"]
     assert {r["method"] for r in projected} == {"identity"}
+
+
+def test_an_outer_spec_refuses_a_method_that_reads_the_model_before_any_worker_starts():
+    from gcomp.bench.outer_spec import parse_outer
+
+    with pytest.raises(ValueError, match="reads the model"):
+        parse_outer("diloco:every=10,method=pactrain")
