@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from gcomp.collectives import bitpack
+
 BITMAP, ELIAS_FANO = "bitmap", "elias_fano"
 _BYTE_WEIGHTS: dict[str, torch.Tensor] = {}
 
@@ -60,17 +62,10 @@ def _weights(device) -> torch.Tensor:
     return found
 
 
-_GATHER = 0x0102040810204080  # byte i's low bit to bit 56 + i of the product (no two terms share a bit)
-
-
 def _to_bytes(bits: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """``(..., nbits)`` 0/1 uint8 into ``(..., nbytes)`` uint8, least significant bit first, zero past the end:
-    each 8 bits, read as one int64, times ``_GATHER``, gives their byte in its top 8 bits."""
-    lead = bits.shape[:-1]
-    padded = bits.new_zeros(*lead, nbytes * 8)
-    padded[..., :bits.shape[-1]] = bits
-    words = padded.view(torch.int64).mul_(_GATHER).bitwise_right_shift_(56).bitwise_and_(0xFF)
-    return words.to(torch.uint8)
+    """Flat 0/1 uint8 ``bits`` (scratch: overwritten) into ``nbytes`` uint8, least significant bit first, zero
+    past the end (``bitpack.pack_flags_``'s words, cut to the code's bytes)."""
+    return bitpack.pack_flags_(bits).view(torch.uint8)[:nbytes]
 
 
 def _from_bytes(code: torch.Tensor, nbits: int) -> torch.Tensor:
