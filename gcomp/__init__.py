@@ -6,8 +6,8 @@
 """
 from gcomp.attach import comm_hook, install
 from gcomp.bucket import BucketInfo
-from gcomp.core import (ALLGATHER, ALLREDUCE, HIERARCHICAL, POINT_TO_POINT, Communicator, Compressor, Memory,
-                        Payload)
+from gcomp.core import (ALLGATHER, ALLREDUCE, EXACT, HIERARCHICAL, LARGEST, POINT_TO_POINT, UNBIASED, Communicator,
+                        Compressor, Fidelity, Keeps, Memory, Payload, Traits, contraction, relative)
 from gcomp.hook import HookState
 from gcomp.local_state import NotDistributed
 from gcomp.memory import NoMemory, ResidualMemory
@@ -16,12 +16,13 @@ from gcomp.params import OneOf, Range
 from gcomp.process_exit import end_process
 from gcomp.registry import UnknownMethodError, available, create, describe, register, spec
 
-from gcomp import compressors, packing, pruning  # noqa: E402,F401  (registers the built-in methods)
+from gcomp import compressors, pruning  # noqa: E402,F401  (registers the built-in methods)
 from gcomp import outer  # noqa: E402,F401  (gcomp.outer.DiLoCo)
 
 __version__ = "0.1.0"
 
-__all__ = ["ALLGATHER", "ALLREDUCE", "BucketInfo", "Communicator", "Compressor", "HIERARCHICAL", "HookState", "Memory",
-           "Method", "MethodUnit", "NoMemory", "NotDistributed", "OneOf", "POINT_TO_POINT", "Payload", "Range",
-           "ResidualMemory", "UnknownMethodError", "available", "comm_hook", "create", "describe", "end_process", "install",
-           "register", "spec"]
+__all__ = ["ALLGATHER", "ALLREDUCE", "BucketInfo", "Communicator", "Compressor", "EXACT", "Fidelity", "HIERARCHICAL",
+           "HookState", "Keeps", "LARGEST", "Memory", "Method", "MethodUnit", "NoMemory", "NotDistributed", "OneOf",
+           "POINT_TO_POINT", "Payload", "Range", "ResidualMemory", "Traits", "UNBIASED", "UnknownMethodError",
+           "available", "comm_hook", "contraction", "create", "describe", "end_process", "install", "register",
+           "relative", "spec"]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from gcomp.method import Method, MethodUnit
-from gcomp.sharding.resize import reshard_parameters
+from gcomp.sharding import reshard_parameters
 from gcomp.state_checks import check_state
 
 STATE_FORMAT = "gcomp.hook/3"
@@ -125,15 +125,16 @@ def from_legacy(state: dict, rank: int, world_size: int) -> dict:
             "world_size": world_size, "iteration": state["iteration"], "ranks": {rank_key(rank): pack(part)}}
 
 
-def own_part(state: dict, method: MethodUnit, rank: int, world_size: int) -> dict:
-    """This rank's ``{"stats", "method"}`` from a checked checkpoint: its own, any rank's when the
-    method's state is the same on every rank, or merged from every old rank's after a change of world size."""
+def own_part(state: dict, method: MethodUnit, rank: int, world_size: int,
+             shard_sizes: dict[str, torch.Size] | None = None) -> dict:
+    """This rank's ``{"stats", "method"}`` from a checked checkpoint: its own, any rank's when the method's state is
+    the same on every rank, or merged from every old rank's after a change of world size (under FSDP2, ``shard_sizes``
+    given, the per-parameter state re-sharded first)."""
     saved_world, ranks = state["world_size"], state["ranks"]
-    replicated = method.replicated
     mine = ranks.get(rank_key(rank))
     if saved_world == world_size and mine is not None:
         return unpack(rank_key(rank), mine)
-    if replicated:
+    if method.replicated:
         key = sorted(ranks)[0]
         return unpack(key, ranks[key])
     held = sorted(ranks, key=lambda k: int(k[4:]) if k[4:].isdigit() else -1)
@@ -141,10 +142,6 @@ def own_part(state: dict, method: MethodUnit, rank: int, world_size: int) -> dic
         raise ValueError(f"this gcomp checkpoint holds the state of {', '.join(held)} of a {saved_world}-rank "
                          f"run, not of rank {rank}: {method.name} keeps state per rank (its residuals are what "
                          f"this rank held back), and another rank's would change the run. {HOW_TO_SAVE}")
-    shards = method.row_strategy
-    if shards is not None and shards.sizes is not None and not shards.reshards:  # FSDP2's: laid out by the shards
-        raise ValueError(refuse_resize(method, saved_world, world_size, f"under FSDP2 keeps {shards.shard_state}, "
-                                                                        "which no other number of shards can take up"))
     if len(ranks) != saved_world or set(ranks) != {rank_key(r) for r in range(saved_world)}:
         raise ValueError(f"{resized(saved_world, world_size)}: the checkpoint holds {', '.join(held)}, and resuming "
                          f"on {world_size} ranks needs every rank's state in one object, saved with "
@@ -152,16 +149,16 @@ def own_part(state: dict, method: MethodUnit, rank: int, world_size: int) -> dic
                          "torch.distributed.checkpoint and a file per rank hold each rank's own part, which "
                          "resumes on the same number of ranks only")
     every = [unpack(rank_key(r), ranks[rank_key(r)]) for r in range(saved_world)]
-    if shards is not None and shards.sizes is not None:  # per-parameter state onto this run's shards first
+    if shard_sizes is not None:  # per-parameter state onto this run's shards first
         for r, part in enumerate(every):
-            reshard_parameters(method, part["method"], shards.sizes, saved_world, world_size,
+            reshard_parameters(method, part["method"], shard_sizes, saved_world, world_size,
                                f"gcomp checkpoint ({rank_key(r)})")
     assigned = [every[r] for r in range(saved_world) if r % world_size == rank]
     try:
         merged = method.merge_states([p["method"] for p in assigned], [p["method"] for p in every], rank)
     except ValueError as err:
-        raise ValueError(refuse_resize(method, saved_world, world_size, f"cannot move its state to another number "
-                                                                        f"of ranks ({err})")) from err
+        why = f"cannot move its state to another number of {'shards' if shard_sizes else 'ranks'} ({err})"
+        raise ValueError(refuse_resize(method, saved_world, world_size, why)) from err
     return {"stats": assigned[0]["stats"] if assigned else {}, "method": merged}
 
 

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
-from gcomp.collectives.allreduce import all_reduce_all
+from gcomp.collectives.launch import then_on
+from gcomp.collectives.reduce import all_reduce_all
 from gcomp.core import Payload
-from gcomp.device_future import then_on
 
 DenseSpec = Union[str, list, tuple, Callable, None]
 STAT_KEYS = ("dense_bytes", "dense_params")

@@ -11,11 +11,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gcomp import checkpoint
 from gcomp.bucket import BucketInfo
-from gcomp.collectives import futures
-from gcomp.collectives.allreduce import all_reduce_all
+from gcomp.collectives.launch import settle, then_on
+from gcomp.collectives.reduce import all_reduce_all
 from gcomp.core import Payload
 from gcomp.dense import STAT_KEYS as DENSE_KEYS, DenseRule, reduce_split, split_of
-from gcomp.device_future import then_on
 from gcomp.groups import check_member, check_same_ranks
 from gcomp.method import MethodUnit
 from gcomp.resume_layouts import SavedLayouts, gather, scatter
@@ -223,8 +222,8 @@ class HookState(RunState):
         task = torch._C._current_graph_task_id()  # -1 outside a backward pass (a hook called by hand)
         if task != self._settle_task and task != -1:
             # the main thread goes on only once the backend's threads are done with this step's collectives
-            # (gcomp.collectives.futures says why); outside a backward pass, the settling is left to exit
-            torch.autograd.Variable._execution_engine.queue_callback(futures.settle)
+            # (gcomp.collectives.launch says why); outside a backward pass, the settling is left to exit
+            torch.autograd.Variable._execution_engine.queue_callback(settle)
             self._settle_task = task
         warming_up = self.iteration < self.warmup
         if warming_up and self.model is not None:

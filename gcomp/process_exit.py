@@ -15,7 +15,7 @@ import sys
 def end_process(code: int = 0, timeout: float = 5.0) -> None:
     """Settle gcomp's collectives (``timeout`` seconds at most), flush stdout and stderr, and end the process with
     ``code``, skipping the interpreter's shutdown (``atexit`` handlers and finalisers do not run: call it last)."""
-    from gcomp.collectives import futures  # only when ending: importing gcomp stays light
+    from gcomp.collectives import launch as futures  # only when ending: importing gcomp stays light
 
     futures.settle(timeout=timeout)
     sys.stdout.flush()

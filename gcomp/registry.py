@@ -7,13 +7,10 @@ import inspect
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import Any, Callable, Union
 
 from gcomp.method import Method, MethodUnit
 from gcomp.params import ParamSpec, specs_from_signature
-
-if TYPE_CHECKING:
-    from gcomp.sharding import RowStrategy
 
 ENTRY_POINT_GROUP = "gcomp.methods"
 
@@ -24,15 +21,15 @@ class UnknownMethodError(ValueError):
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered method: its factory, parameters and where it comes from; ``fsdp``, the row strategy by which
-    it serves FSDP2's reduce-scatter (``gcomp.sharding``), None when it serves DDP only."""
+    """A registered method: its factory, parameters and where it comes from; ``variants``, parameter sets that put
+    something else on the wire (the contract suites run each)."""
 
     name: str
     factory: Callable[..., MethodUnit]
     params: dict[str, ParamSpec]
     summary: str
     paper: str
-    fsdp: type[RowStrategy] | None = None
+    variants: tuple[dict, ...] = ()
 
     def create(self, **params) -> MethodUnit:
         unknown = set(params) - set(self.params)
@@ -43,22 +40,26 @@ class MethodSpec:
         values.update({n: self.params[n].validate(self.name, v) for n, v in params.items()})
         method = self.factory(**values)
         method.name, method.params = self.name, values
-        if self.fsdp is not None:
-            method.row_strategy = self.fsdp()
         return method
+
+    @property
+    def serves_fsdp(self) -> bool:
+        """Whether the method, with its defaults, serves FSDP2's reduce-scatter."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self.create().serves_fsdp
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
 _entry_points_loaded = False
 
 
-def register(name: str, *, paper: str = "", override: bool = False, fsdp: type[RowStrategy] | None = None
-             ) -> Callable:
+def register(name: str, *, paper: str = "", override: bool = False, variants: tuple[dict, ...] = ()) -> Callable:
     """Decorator: register a factory ``(**params) -> Method`` (any ``gcomp.method.MethodUnit``) under ``name``.
 
     Every parameter needs a default; annotate it as ``Annotated[float, Range(0, 1), "help"]`` to have it
-    validated when the method is created. ``fsdp``: the ``gcomp.sharding.RowStrategy`` class by which the method
-    (a ``gcomp.Method``) serves FSDP2's reduce-scatter; without it the method serves DDP only.
+    validated when the method is created. ``variants``: parameter sets that put something else on the wire, which
+    the contract suites run beside the defaults. Whether it serves FSDP2 follows from its compressor's traits.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"a method name must be a non-empty string; got {name!r}")
@@ -74,7 +75,7 @@ def register(name: str, *, paper: str = "", override: bool = False, fsdp: type[R
             except ValueError as err:
                 raise ValueError(f"the default of a registered method is invalid: {err}") from None
         _REGISTRY[name] = MethodSpec(name, factory, params,
-                                     doc.split("\n\n")[0].replace("\n", " "), paper, fsdp)
+                                     doc.split("\n\n")[0].replace("\n", " "), paper, tuple(variants))
         return factory
 
     return decorator
@@ -124,10 +125,9 @@ def _spec_given_as_name(text: str) -> str:
 
 
 def available(fsdp: bool = False) -> list[str]:
-    """Sorted names of every registered method; with ``fsdp=True``, of those that serve FSDP2's reduce-scatter
-    (registered with a row strategy)."""
+    """Sorted names of every registered method; with ``fsdp=True``, of those that serve FSDP2's reduce-scatter."""
     load_entry_points()
-    return sorted(name for name, s in _REGISTRY.items() if not fsdp or s.fsdp is not None)
+    return sorted(name for name, s in _REGISTRY.items() if not fsdp or s.serves_fsdp)
 
 
 def create(name: str, **params) -> MethodUnit:
@@ -219,8 +219,8 @@ def describe(name: str) -> str:
              f"  collective: {method.collective or 'that of the method chosen per bucket'}{parts}",
              f"  lossless: {'yes' if method.lossless else 'no'}; state across steps: "
              f"{'yes' if method.stateful else 'no'}",
-             "  FSDP2: " + (f"serves fully_shard's reduce-scatter ({s.fsdp.__name__})" if s.fsdp is not None else
-                           "no (DDP only)")]
+             "  FSDP2: " + (f"serves fully_shard's reduce-scatter (rows: {method.traits.rows})"
+                           if method.serves_fsdp else "no (DDP only)")]
     if s.paper:
         lines.append(f"  paper: {s.paper}")
     lines.append("  parameters:" if s.params else "  parameters: none")

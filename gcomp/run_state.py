@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from gcomp import checkpoint
 from gcomp.agreement import agree, global_ranks
-from gcomp.collectives.counting import COUNTER_KEYS
+from gcomp.collectives.launch import COUNTER_KEYS
 from gcomp.method import MethodUnit
 
 STAT_KEYS = ("steps", "buckets", "bytes_sent", "bytes_dense", "encode_s", "decode_s",
@@ -154,7 +154,8 @@ class RunState:
                 header = (f"{state.get('method')}({state.get('params')}) saved at world size "
                           f"{state.get('world_size')}, step {state.get('iteration')}")
             checkpoint.check_header(state, self.method)
-            part = checkpoint.own_part(state, self.method, self.rank, self.world_size)
+            part = checkpoint.own_part(state, self.method, self.rank, self.world_size,
+                                      getattr(self, "shard_sizes", None))
             checkpoint.check_stats(part["stats"])
             self._check_parameters(part)
             self.method.load_state_dict(part["method"])

@@ -12,9 +12,8 @@ import torch.distributed as dist
 from gcomp.auto.chooser import AutoChooser
 from gcomp.auto.tee import TeeStats
 from gcomp.bucket import BucketInfo
-from gcomp.composite import Composite
-from gcomp.device_future import then_on
-from gcomp.method import MethodUnit
+from gcomp.collectives.launch import then_on
+from gcomp.method import Composite, MethodUnit
 from gcomp.pruning.masks import named_masks
 from gcomp.registry import from_spec
 from gcomp.state_checks import check_state

@@ -1,9 +1,8 @@
-"""Built-in methods, one module each; importing this package imports every module here, which registers them.
-
-A new method is a new file in this folder with an ``@register``-ed factory: nothing else to edit.
-"""
+"""Built-in methods, one folder per family; importing this package imports every family, whose ``__init__``
+registers its methods. A new family is a new folder here: nothing else to edit."""
 import importlib
 import pkgutil
 
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+for _family in pkgutil.iter_modules(__path__):
+    if _family.ispkg:
+        importlib.import_module(f"{__name__}.{_family.name}")

@@ -5,11 +5,37 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from gcomp.fsdp.comm import GcompReduceScatter
-from gcomp.fsdp.methods import check_serves_fsdp
-from gcomp.fsdp.state import FSDPState
-from gcomp.method import Method
+from gcomp.fsdp.state import FSDPState, GcompReduceScatter
+from gcomp.method import MethodUnit
+from gcomp.registry import available, spec
 from gcomp.sharding import ShardLayout
+
+
+def fsdp_methods() -> tuple[str, ...]:
+    """The registered methods that serve FSDP2's reduce-scatter (``gcomp.available(fsdp=True)``)."""
+    return tuple(available(fsdp=True))
+
+
+def config_label(name: str, params: dict) -> str:
+    """``name`` or ``name:key=value,...`` (``gcomp bench``'s method syntax, booleans lower-case)."""
+    if not params:
+        return name
+    return name + ":" + ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())
+
+
+def fsdp_configs() -> tuple[tuple[str, str, dict], ...]:
+    """(label, method name, parameters) of every FSDP-capable method with its defaults, then each variant it was
+    registered with (``gcomp.register(..., variants=)``: parameter sets that put something else on the wire)."""
+    return tuple((config_label(name, params), name, params) for name in fsdp_methods()
+                 for params in ({}, *spec(name).variants))
+
+
+def check_serves_fsdp(method: MethodUnit) -> None:
+    """A ValueError naming the methods that serve FSDP2 when ``method`` does not."""
+    if not method.serves_fsdp:
+        raise ValueError(f"{method.name} cannot serve FSDP2's reduce-scatter (fully_shard); the methods that can: "
+                         f"{', '.join(fsdp_methods())}. Under DDP every method works (gcomp.install on a "
+                         "DistributedDataParallel model)")
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -40,9 +66,9 @@ def check_not_served(model: torch.nn.Module, modules: list[FSDPModule]) -> None:
                            "FSDP module under it")
 
 
-def install_fsdp(model: FSDPModule, method: Method, process_group: dist.ProcessGroup | None = None) -> FSDPState:
+def install_fsdp(model: FSDPModule, method: MethodUnit, process_group: dist.ProcessGroup | None = None) -> FSDPState:
     """Put gcomp's reduce-scatter for ``method`` on every FSDP module of ``model`` (the root ``fully_shard``-ed
-    module); returns the state. Refuses methods without an FSDP2 row strategy, native HSDP, and a second install."""
+    module); returns the state. Refuses methods that cannot serve FSDP2, native HSDP, and a second install."""
     if getattr(model, "_gcomp_state", None) is not None:
         raise RuntimeError(f"a gcomp method ({model._gcomp_state.method.name}) is already installed on this "
                            "fully_shard-ed model")

@@ -1,38 +1,39 @@
-"""``FSDPState``: what gcomp keeps for a ``fully_shard``-ed model, a ``gcomp.run_state.RunState``."""
+"""``FSDPState``, what gcomp keeps for a ``fully_shard``-ed model, and ``GcompReduceScatter``, the reduce-scatter
+it puts on each FSDP module (``set_custom_reduce_scatter``)."""
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from gcomp.collectives.reduce_scatter import KEYS as REDUCE_SCATTER_KEYS
-from gcomp.method import Method
+from gcomp.collectives.reduce import REDUCE_SCATTER_KEYS
+from gcomp.method import MethodUnit
 from gcomp.run_state import RunState
 from gcomp.sharding import ShardLayout
 
 
 class FSDPState(RunState):
     """The state of gcomp's reduce-scatter on every FSDP module of one ``fully_shard``-ed model (made by
-    ``gcomp.install``): the method, statistics and checkpoints.
+    ``gcomp.install``): the method, statistics and checkpoints. On the wire: the method's, for FSDP's rows
+    (``Method.reduce`` with a ``ShardLayout``; ``gcomp describe NAME``).
 
-    What goes on the wire and which collective: the method's row strategy's docstring (``method.row_strategy``).
-    ``stats`` has ``HookState``'s keys, read for FSDP: ``buckets`` counts reduce-scatter calls (one per FSDP module
-    with gradients per step), ``bytes_dense`` the bytes of FSDP's own reduce-scatter input, ``bytes_sent`` the bytes
-    this rank handed to collectives, ``warmup_steps`` and ``dense_buckets`` stay 0 (FSDP's layout is final from the
-    first step); plus ``reduce_scatter_calls`` / ``reduce_scatter_bytes`` and the method's own counters.
-
-    ``state_dict()`` is this rank's state filed under its rank (``gcomp.checkpoint``'s format, readable with
-    ``torch.load(weights_only=True)``); per-parameter state (residuals) is keyed by ``"<parameter>[<shard>]"``.
-    A gathered checkpoint resumes on another number of shards where the method's state is per parameter only
-    (re-sharded, ``gcomp.sharding.resize``); elsewhere that is refused on every rank.
+    ``stats`` has ``HookState``'s keys: ``buckets`` counts reduce-scatter calls (one per FSDP module with gradients
+    per step), ``bytes_dense`` the bytes of FSDP's own reduce-scatter input, ``warmup_steps`` and ``dense_buckets``
+    stay 0 (FSDP's layout is final from the first step); plus ``reduce_scatter_calls`` / ``reduce_scatter_bytes``.
+    Per-parameter state (residuals) is keyed ``"<parameter>[<shard>]"`` and re-sharded by parameter when a gathered
+    checkpoint resumes on another number of shards (``gcomp.sharding``), where the method can merge its state.
     """
 
-    def __init__(self, method: Method, model: torch.nn.Module, group: dist.ProcessGroup, layouts: list[ShardLayout]):
+    def __init__(self, method: MethodUnit, model: torch.nn.Module, group: dist.ProcessGroup,
+                 layouts: list[ShardLayout]):
         super().__init__(method, group, REDUCE_SCATTER_KEYS)
         self.model = model
         self._numels = {name: n for layout in layouts for name, n in zip(layout.pieces.names, layout.pieces.numels)}
-        method.row_strategy.bind_sizes({n: size for layout in layouts for n, size in zip(layout.names, layout.sizes)})
+        self.shard_sizes = {n: size for layout in layouts for n, size in zip(layout.names, layout.sizes)}
         self._layouts: set[str] = set()
-        self.comms: list = []  # the GcompReduceScatter of each FSDP module, set by install_fsdp
+        self.comms: list[GcompReduceScatter] = []  # one per FSDP module, set by install_fsdp
         self.replica = None  # HSDP's ReplicaState, set by gcomp.fsdp.replicate
         self.join(model)
 
@@ -50,8 +51,7 @@ class FSDPState(RunState):
     def reduce_scatter(self, layout: ShardLayout, output: torch.Tensor, input: torch.Tensor,
                        group: dist.ProcessGroup, divisor: float | None) -> None:
         """One FSDP module's reduce-scatter: the method's sum, divided as FSDP asked. A lossy method encodes the
-        mean (divided first, as DDP's hook does: 16-bit sums do not overflow, residuals are in the mean's units); a
-        lossless one divides after the sum, as FSDP itself does (bit for bit FSDP2's own on two ranks)."""
+        mean (divided first, as DDP's hook does); a lossless one divides after the sum, as FSDP itself does."""
         self.count_step_of_backward()
         stats = self.stats
         stats["buckets"] += 1
@@ -62,6 +62,54 @@ class FSDPState(RunState):
         first = divisor is not None and not self.method.lossless
         if first:
             input.div_(divisor)
-        self.method.reduce_scatter(output, input, layout, group, stats)
+        output.copy_(self.method.reduce(input, layout, group, stats).wait().reshape(-1))
         if divisor is not None and not first:
             output.div_(divisor)
+
+
+class GcompReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter for one FSDP module, served by the model's ``FSDPState``. FSDP calls it with its flat,
+    shard-major input, the output shard to fill, the shard group and its reduce op (AVG, PREMUL_SUM by its divide
+    factor, or SUM), synchronously inside its reduce-scatter stream: the output is complete when the call returns."""
+
+    def __init__(self, state: FSDPState, module: torch.nn.Module, index: int, names: dict[int, str]):
+        self.state, self.module, self.index, self._names = state, module, index, names
+        self.layout: ShardLayout | None = None
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    @property
+    def param_group(self):
+        return self.module._get_fsdp_state()._fsdp_param_group
+
+    def layout_for(self, input: torch.Tensor, group: dist.ProcessGroup) -> ShardLayout:
+        """The layout of this call's input: every parameter of the group that takes a gradient."""
+        world = dist.get_world_size(group)
+        layout = self.layout
+        if layout is None or layout.world != world or layout.dtype != input.dtype:
+            params = [p for p in self.param_group.fsdp_params if p.sharded_param.requires_grad]
+            for p in params:
+                if p.fsdp_placement.dim != 0:
+                    raise ValueError(f"gcomp under FSDP2 needs parameters sharded on dim 0; "
+                                     f"{self._names.get(id(p.sharded_param))} is sharded on dim {p.fsdp_placement.dim}")
+            layout = self.layout = ShardLayout(self.index, tuple(self._names[id(p.sharded_param)] for p in params),
+                                               tuple(p.sharded_param.size() for p in params), world,
+                                               dist.get_rank(group), input.dtype)
+        if layout.numel != input.numel():
+            raise RuntimeError(f"gcomp (FSDP2): the reduce-scatter of FSDP module {self.index} got {input.numel()} "
+                               f"entries, its parameters ({', '.join(layout.names)}) pad to {layout.numel}: some "
+                               "parameter took no gradient this step. Call model.set_reduce_scatter_unused_params(True) "
+                               "so that FSDP reduces a zero gradient for it and the layout stays fixed")
+        return layout
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False):
+        layout = self.layout_for(input_tensor, group)
+        divisor = self.state.divisor(op, group, self.param_group)
+        self.state.reduce_scatter(layout, output_tensor.view(-1), input_tensor.view(-1), group, divisor)
+        if async_op:  # done already: a completed work
+            future = torch.futures.Future()
+            future.set_result([output_tensor])
+            return torch._C._distributed_c10d._create_work_from_future(future)
+        return None

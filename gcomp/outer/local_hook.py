@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gcomp.collectives.futures import launched
+from gcomp.collectives.launch import launched
 
 
 def local_hook(inner_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gcomp.collectives import futures
+from gcomp.collectives.launch import settle
 
 
 @dataclass
@@ -22,5 +22,5 @@ class Pending:
         """The reduced outer gradient per bucket; waits for it, raising the collective's error (a dead peer)."""
         if self.means is None:
             self.means = [f.wait() for f in self.future.wait()]
-            futures.settle()
+            settle()
         return self.means

@@ -3,11 +3,9 @@ module-level factory, on gloo ranks of this machine, and report every (contract,
 from __future__ import annotations
 
 import traceback
-from contextlib import nullcontext
 from typing import Any, Callable, Iterable
 
 import gcomp
-from gcomp.kernels import forced
 from gcomp.testing import codec_checks, config_checks, process_checks
 from gcomp.testing.buckets import DTYPES, LAYOUTS, dtype_name
 from gcomp.testing.ranks import MAX_RANKS, run_ranks
@@ -41,28 +39,19 @@ def _worlds(world_sizes: Iterable[int]) -> list[int]:
     return sorted(set(worlds))
 
 
-def run_forced(fn: Callable, *args, **kwargs) -> Any:
-    """``fn(*args, **kwargs)`` with every codec on its device path (``gcomp.kernels.forced``): a rank job."""
-    with forced("cuda"):
-        return fn(*args, **kwargs)
-
-
 class _Run:
     """One ``check_method`` call: the method, its rank jobs (each run once, on first need) and the report."""
 
-    def __init__(self, source: MethodSource, method: Any, worlds: list[int], timeout: float,
-                 device_path: bool = False):
+    def __init__(self, source: MethodSource, method: Any, worlds: list[int], timeout: float):
         self.source, self.method, self.worlds, self.timeout = source, method, worlds, timeout
-        self.device_path = device_path
-        self.report = Report(source.label + (" (device path)" if device_path else ""))
+        self.report = Report(source.label)
         self._jobs: dict = {}
 
     def job(self, key: tuple, world: int, fn: Callable, *args) -> list:
         """``fn`` on ``world`` ranks once per ``key``; a failed job fails every check that reads it."""
         if key not in self._jobs:
             try:
-                call = (run_forced, fn, *args) if self.device_path else (fn, *args)
-                self._jobs[key] = (True, run_ranks(world, *call, timeout=self.timeout))
+                self._jobs[key] = (True, run_ranks(world, fn, *args, timeout=self.timeout))
             except AssertionError as err:
                 self._jobs[key] = (False, f"the rank job {fn.__name__} failed on {world} rank(s): {err}")
         ok, value = self._jobs[key]
@@ -80,8 +69,7 @@ class _Run:
         """Run one check and record it: passed (with its note), skipped (with the reason) or failed."""
         contract = CONTRACTS[number][0]
         try:
-            with forced("cuda") if self.device_path else nullcontext():
-                note = fn(*args)
+            note = fn(*args)
         except Skip as skip:
             self.report.add(contract, config, SKIPPED, str(skip))
         except AssertionError as err:
@@ -189,7 +177,7 @@ def _configuration(run: _Run) -> None:
 
 def check_method(name_or_factory: str | Callable[[], Any], world_sizes: Iterable[int] = (1, 2, 3), *,
                  contracts: Iterable[int | str] | None = None, examples: int = 20, seed: int = 0,
-                 raise_on_failure: bool = True, timeout: float = 300, device_path: bool = False) -> Report:
+                 raise_on_failure: bool = True, timeout: float = 300) -> Report:
     """Check one method against the eight contracts (docs/design.md) and return the ``Report``.
 
     ``name_or_factory``: a registered method name (built in, registered with ``gcomp.register``, or from a
@@ -205,9 +193,6 @@ def check_method(name_or_factory: str | Callable[[], Any], world_sizes: Iterable
     ``method.lossless``; conservation: ``method.error_feedback``; bad configuration: registered names; the
     codec-level checks: ``gcomp.Method`` instances).
 
-    ``device_path=True`` checks the codecs' device path (``gcomp.kernels.forced("cuda")`` around every job and check),
-    on this machine's tensors, whatever they are.
-
     Raises ``ContractError`` (an AssertionError) listing every failure, unless ``raise_on_failure=False``.
     """
     source = MethodSource.of(name_or_factory)
@@ -219,7 +204,7 @@ def check_method(name_or_factory: str | Callable[[], Any], world_sizes: Iterable
     if lacking:
         raise TypeError(f"check_method: {source.label} gave a {type(method).__name__}, which lacks the method "
                         f"traits {', '.join(lacking)}: return a configured gcomp.Method")
-    run = _Run(source, method, worlds, timeout, device_path)
+    run = _Run(source, method, worlds, timeout)
     steps = {1: _reduce, 2: _replicas, 3: lambda r: _homomorphism(r, examples, seed), 4: _lossless,
              5: _conservation, 6: _nonfinite, 7: _state_dict, 8: _configuration}
     for number in chosen:

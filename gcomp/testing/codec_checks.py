@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 import gcomp
-from gcomp.composite import Composite
+from gcomp.method import Composite
 from gcomp.testing.buckets import DTYPES, dtype_name
 from gcomp.testing.models import mlp
 from gcomp.testing.report import Skip

@@ -1,13 +1,12 @@
-"""What one bucket's reduction costs on the device path, counted on any machine: its aten operations (on an
-accelerator each is a kernel launch) and those of them that synchronise the host with a CUDA device.
+"""What one bucket's reduction costs, counted on any machine: its aten operations (on an accelerator each is a kernel
+launch) and those of them that synchronise the host with a CUDA device.
 
 ``count_reduction`` runs a method through a ``HookState`` on a bucket of ``params`` parameters and ``numel``
-entries under ``gcomp.kernels.forced("cuda")`` (every codec on its device path, here on CPU tensors), its
-collectives waited for at launch so that their callbacks, the decodes, run on this thread, where a
+entries, its collectives waited for at launch so that their callbacks, the decodes, run on this thread, where a
 ``TorchDispatchMode`` sees every operation. It needs a process group of one rank (``gcomp.testing.run_ranks``).
 
-A device path is bucket-wide when its count does not grow with the bucket's number of parameters or entries, and
-synchronises only where a method declares it (``Compressor.host_syncs``: ``threshold``'s counts).
+A codec is bucket-wide when its count does not grow with the bucket's number of parameters or entries, and
+synchronises only where a method declares it (``Traits.host_syncs``: ``threshold``'s counts).
 """
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gcomp
-from gcomp.kernels import forced
 from gcomp.testing.buckets import FakeBucket
 
 # aten operations that wait for a CUDA device: a value read on the host, or an output whose size depends on the
@@ -140,7 +138,7 @@ def count_reduction(make: Callable[[], gcomp.MethodUnit], params: int, numel: in
             torch.nn.utils.prune.random_unstructured(module, name, amount=prune)
     bucket_params = list(module.parameters())[::-1]
     generator = torch.Generator().manual_seed(seed)
-    with forced("cuda"), inline_collectives(), warnings.catch_warnings():
+    with inline_collectives(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one node, no masks: the methods' own notes, not the counts'
         state = gcomp.HookState(method, module, None)
         state.warmup = 0

@@ -110,22 +110,17 @@ def test_bf16_matches_a_bfloat16_all_reduce(world):
 
 
 @pytest.mark.parametrize("name, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
-def test_the_cast_reuses_one_wire_buffer_per_layout_and_decodes_into_the_bucket(name, dtype):
-    """No allocation of a bucket's size per step: the 16-bit buffer of a layout is cast into at every step,
-    and the sum is cast back into the tensor that was compressed (an allocation costs several copies)."""
+def test_the_cast_is_a_pure_pair_that_keeps_no_state(name, dtype):
+    """encode casts and hands the state back untouched; decode casts the sum back to the bucket's dtype; a bucket
+    already in the wire's dtype goes as it is."""
     compressor = gcomp.create(name).compressor
-    g = torch.Generator().manual_seed(0)
-    first, second = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    first = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     info = gcomp.BucketInfo.single(first)
-    a = compressor.compress(first, info)
-    wire = a.tensors[0]
-    assert wire.dtype == dtype and torch.equal(wire, first.to(dtype))
-    expected = (wire * 2).float()
-    out = compressor.decompress([wire * 2], a.ctx)
-    assert out is first and torch.equal(out, expected)
-    b = compressor.compress(second, info)
-    assert b.tensors[0] is wire and torch.equal(wire, second.to(dtype))  # the same buffer, this step's values
-    other = gcomp.BucketInfo.from_layout(1, torch.float32, ["x"], [10])  # another layout: its own buffer
-    assert compressor.compress(torch.ones(10), other).tensors[0] is not wire
-    half = torch.ones(8, dtype=dtype)  # a bucket already in the wire's dtype goes as it is
-    assert compressor.compress(half, gcomp.BucketInfo.single(half)).tensors[0] is half
+    payload, state = compressor.encode(first, {}, info)
+    wire = payload.tensors[0]
+    assert state == {} and wire.dtype == dtype and torch.equal(wire, first.to(dtype))
+    out = compressor.decode([wire * 2], payload.ctx)
+    assert out.dtype == torch.float32 and torch.equal(out, (wire * 2).float())
+    half = torch.ones(8, dtype=dtype)
+    assert compressor.encode(half, {}, gcomp.BucketInfo.single(half))[0].tensors[0] is half
+    assert compressor.traits.wire_bytes(1000, 4) == 2000 and not compressor.traits.lossless

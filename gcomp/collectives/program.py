@@ -1,4 +1,5 @@
-"""Point-to-point round programs: a schedule written once, run on a process group or simulated in one process.
+"""Point-to-point methods (SparDL, gTop-k): a codec whose rounds are a program of messages, written once, run on a
+process group (``ProgramCommunicator``) or simulated for every rank in one process (``run_locally``).
 
 A *program* is a generator, one per rank. Each ``yield Round(sends, recvs)`` is one latency round: at most
 one message to each peer and one from each peer, every message a flat uint8 tensor whose size both sides
@@ -9,13 +10,15 @@ programs in lockstep inside one process, which is how schedules are tested for a
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Generator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from gcomp.collectives.counting import count_p2p_round, round_work
+from gcomp.collectives.launch import count_p2p_round, round_work
+from gcomp.core import POINT_TO_POINT, Communicator, Compressor, Payload
 
 _ALIGN = 8  # every section starts at a multiple of 8 bytes, so any dtype can be viewed in place
 
@@ -70,7 +73,7 @@ def run_program(program: Program, group: dist.ProcessGroup | None = None,
     """Run one rank's program on ``group``; returns ``(its result, bytes this rank sent, messages sent)``.
 
     Receive buffers are allocated on ``device``. Each round with traffic on this rank is counted in ``stats``
-    (``gcomp.collectives.counting.count_p2p_round``), and the program's own work between rounds (selections,
+    (``gcomp.collectives.launch.count_p2p_round``), and the program's own work between rounds (selections,
     merges) is timed as ``round_work_s``. Each round posts all its sends and receives at once and
     waits for them (gloo's point-to-point work has no future, and the next round depends on this one).
     Zero-byte messages are skipped on both sides.
@@ -141,3 +144,54 @@ def run_locally(programs: Sequence[Program]) -> list[Any]:
             raise RuntimeError(f"round {round_index}: messages {sorted(mail)} (src, dst) were never received")
         round_index += 1
     return results
+
+
+@dataclass
+class ProgramCtx:
+    """One bucket in flight: its layout, the gradient plus the residual held back for it (``compensated``), and the
+    layout's state, which the program updates in place (its new residual)."""
+
+    bucket: Any
+    compensated: torch.Tensor
+    state: dict
+
+
+class ScheduledCompressor(Compressor):
+    """A point-to-point codec: what a rank sends depends on what it has received, so the selection happens inside
+    the rounds (``program``), and the program writes the new residual into the layout's ``"residuals"`` slot itself
+    (declare ``slots=("residuals",), held=("residuals",)``; the method's ``Memory`` is ``NoMemory``). ``encode``
+    adds the residual; one rank's payload decoded alone is what the method does on one worker."""
+
+    def encode(self, x, state, layout):
+        return Payload([], ProgramCtx(layout, x + state["residuals"].view_as(x), state)), state
+
+    @abstractmethod
+    def program(self, ctx: ProgramCtx, rank: int, world: int, keep: bool = True) -> Program:
+        """This rank's rounds for one bucket; returns the mean gradient. With ``keep`` the new residual (and any
+        adaptive state) is stored; without, nothing is touched."""
+
+    def decode(self, received, ctx: ProgramCtx) -> torch.Tensor:
+        if received:  # the exchange's result
+            return received[0]
+        return run_locally([self.program(ctx, 0, 1, keep=False)])[0]
+
+
+class ProgramCommunicator(Communicator):
+    """Runs the compressor's program on the group, its rounds waited for in ``exchange`` (each round's messages
+    depend on the last one's; gloo's point-to-point work has no future to chain on): a completed future of
+    ``[result]``. Every message's bytes go to ``bytes_sent`` (the payload is empty), their count to ``messages``."""
+
+    collective = POINT_TO_POINT
+    codec = ScheduledCompressor
+    stat_keys = ("messages",)
+
+    def exchange(self, payload, compressor: ScheduledCompressor, group, stats=None):
+        ctx = payload.ctx
+        program = compressor.program(ctx, dist.get_rank(group), dist.get_world_size(group))
+        result, sent, messages = run_program(program, group, device=ctx.compensated.device, stats=stats)
+        if stats is not None:
+            stats["bytes_sent"] += sent
+            stats["messages"] += messages
+        future = torch.futures.Future()
+        future.set_result([result])
+        return future

@@ -2,21 +2,20 @@
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from gcomp.collectives.counting import count_collectives, count_round
-from gcomp.collectives.futures import launched, when_all_done
-from gcomp.collectives.gather_flat import all_gather_flat
+from gcomp.collectives.launch import all_gather_flat, count_collectives, count_round, launched, when_all_done
 from gcomp.core import ALLGATHER, Communicator, Compressor, Payload
 
 
 @dataclass
 class SizedPayload(Payload):
-    """A payload whose length is known on the device only (a codec's device path, ``gcomp.kernels``): its tensors
+    """A payload whose length is known on the device only (its length read on the device only): its tensors
     are buffers of a fixed capacity along their first dimension, of which the first ``length`` rows (a 0-d int64
     tensor on their device, never read by the codec) are the payload and the rest zero padding that decodes to
     nothing. ``nbytes`` is the capacity's; ``SizedAllgatherCommunicator`` sends, and counts, only the rows the
@@ -25,28 +24,22 @@ class SizedPayload(Payload):
     length: torch.Tensor | None = None
 
 
-class SizedCodec(Compressor):
+class SizedCompressor(Compressor):
     """An all-gather codec whose tensors need not all be ``count`` rows long, ``count`` being the one length per
     rank the sizes round exchanges (threshold's coded positions: ``coded_bytes(n, count)`` bytes beside ``count``
-    values). What ``SizedAllgatherCommunicator`` asks of it beyond a plain codec; the defaults are a plain
-    codec's (every tensor ``count`` rows, decoded by ``aggregate``)."""
+    values). What ``SizedAllgatherCommunicator`` asks of it: ``rows``, ``finish``, and a ``decode`` that takes
+    ``(gathered, counts)``: the gathered tensors, ``(world, widest rows of tensor j, ...)``, and every rank's
+    ``count`` (host integers, from the sizes round), rank r's first ``rows(counts[r])[j]`` rows its own."""
 
-    collective = ALLGATHER
-
+    @abstractmethod
     def rows(self, ctx: Any, count: int) -> list[int]:
         """Rows along the first dimension of each tensor sent by a rank of length ``count``; the same function
         on every rank (it sizes the padding of everyone's tensors)."""
-        raise NotImplementedError
 
     def finish(self, payload: Payload, count: int) -> list[torch.Tensor]:
         """The tensors this rank sends, once its ``count`` is known on the host (after the sizes round: a device
         path's encode that needs it); each at least ``rows(count)`` rows, zeros past them. By default as given."""
         return payload.tensors
-
-    def aggregate_counts(self, gathered: Sequence[torch.Tensor], counts: list[int], ctx: Any) -> torch.Tensor:
-        """``aggregate`` knowing every rank's ``count`` (host integers, from the sizes round): ``gathered[j]`` is
-        ``(world, widest rows of tensor j, ...)``, rank r's first ``rows(counts[r])[j]`` rows its own."""
-        return self.aggregate(gathered, ctx)
 
 
 class SizedAllgatherCommunicator(Communicator):
@@ -55,10 +48,9 @@ class SizedAllgatherCommunicator(Communicator):
     then each payload tensor, zero-padded along its first dimension to the longest rank's rows of it (at least 1,
     so no collective is empty), by asynchronous all-gather into a ``(world, rows, ...)`` tensor.
 
-    A plain codec's tensors share their first dimension, the length; a ``SizedCodec`` says each tensor's rows for
-    a length (``rows``), may encode after the sizes round (``finish``), and decodes knowing every rank's length
-    (``aggregate_counts``). The codec must read zero padding as adding nothing (a zero value at position 0 does).
-    The future's value is ``(gathered tensors, lengths)``, which ``decode`` hands on.
+    The codec (a ``SizedCompressor``) says each tensor's rows for a length (``rows``), may encode after the sizes
+    round (``finish``), and decodes knowing every rank's length; it must read zero padding as adding nothing (a
+    zero value at position 0 does). The future's value is ``(gathered tensors, lengths)``. No rows payloads.
 
     A ``SizedPayload`` (a device path) gives its length as a device tensor and is padded already: the first
     rows of each tensor go as they are. Bytes: the pipeline counted the payload's tensors; this adds what
@@ -67,10 +59,12 @@ class SizedAllgatherCommunicator(Communicator):
     """
 
     collective = ALLGATHER
+    codec = SizedCompressor
+    rows = False
     stat_keys = ("padding_bytes",)
     host_syncs = 1  # the lengths, read to pad
 
-    def exchange(self, payload: Payload, compressor: Compressor, group: dist.ProcessGroup | None,
+    def exchange(self, payload: Payload, compressor: SizedCompressor, group: dist.ProcessGroup | None,
                  stats: dict | None = None) -> torch.futures.Future:
         world = dist.get_world_size(group)
         first = payload.tensors[0]
@@ -84,15 +78,10 @@ class SizedAllgatherCommunicator(Communicator):
         count_round(stats)
         counts = sizes.tolist()  # the bucket's one host synchronisation
         own = counts[dist.get_rank(group)]
-        sized = isinstance(compressor, SizedCodec)
-        tensors = compressor.finish(payload, own) if sized else payload.tensors
-
-        def rows(count: int) -> list[int]:
-            return compressor.rows(payload.ctx, count) if sized else [count] * len(tensors)
-
-        widths = [max(1, max(r)) for r in zip(*(rows(c) for c in counts))]
+        tensors = compressor.finish(payload, own)
+        widths = [max(1, max(r)) for r in zip(*(compressor.rows(payload.ctx, c) for c in counts))]
         outputs, futures, sent, content = [], [], 0, 0
-        for t, width, own_rows in zip(tensors, widths, rows(own)):
+        for t, width, own_rows in zip(tensors, widths, compressor.rows(payload.ctx, own)):
             part = t[:width]
             if part.shape[0] < width:  # zeros past this rank's rows
                 part = torch.cat([part, t.new_zeros(width - part.shape[0], *t.shape[1:])])
@@ -108,9 +97,3 @@ class SizedAllgatherCommunicator(Communicator):
             stats["padding_bytes"] += size + sent - content
             stats["bytes_sent"] += size + sent - payload.nbytes  # the pipeline counted ``payload.nbytes``
         return when_all_done(futures, (outputs, counts))
-
-    def decode(self, received, compressor: Compressor, ctx: Any) -> torch.Tensor:
-        gathered, counts = received
-        if isinstance(compressor, SizedCodec):
-            return compressor.aggregate_counts(gathered, counts, ctx)
-        return compressor.aggregate(gathered, ctx)
