@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Callable, Union
 
 import torch
@@ -21,12 +20,6 @@ from gcomp.registry import method_from
 from gcomp.routes import launched_processes, trainer_route
 
 _log = logging.getLogger("gcomp")
-
-
-def make_method(name_or_method: Union[str, MethodUnit], params: dict) -> MethodUnit:
-    """Deprecated: ``gcomp.registry.method_from``."""
-    warnings.warn("gcomp.attach.make_method is gcomp.registry.method_from", DeprecationWarning, stacklevel=2)
-    return method_from(name_or_method, params)
 
 
 def comm_hook(name_or_method: Union[str, MethodUnit], process_group: dist.ProcessGroup | None = None,
@@ -77,9 +70,6 @@ def install(model: torch.nn.Module | None = None, name_or_method: Union[str, Met
 
     ``dense=`` / ``dense_below=`` keep parameters uncompressed (``gcomp.comm_hook`` says how; DDP only).
     """
-    if "ddp_model" in params and model is None:  # its name until 0.1, when install took DDP models only
-        warnings.warn("gcomp.install(ddp_model=...) is now install(model=...)", DeprecationWarning, stacklevel=2)
-        model = params.pop("ddp_model")
     if model is None or name_or_method is None:
         raise TypeError("gcomp.install takes a model and a method: install(model, 'topk', ratio=0.01)")
     ddp_model = model

@@ -1,5 +1,5 @@
 """Pruning: one-shot masks (GraSP, magnitude, random) for PacTrain, and structured ADMM pruning for PruneX, both
-installed through ``torch.nn.utils.prune``. The ground floor: reducing a masked bucket is ``gcomp.packing``'s.
+installed through ``torch.nn.utils.prune``. The ground floor: reducing a masked bucket is ``pactrain``'s.
 
     from gcomp.pruning import prune, StructuredADMM
     result = prune(model, 0.5, "grasp", data=(inputs, targets))   # before wrapping the model in DDP
@@ -12,10 +12,3 @@ from gcomp.pruning.prune import PruneResult, kept_fraction, prune
 __all__ = ["PruneResult", "StructuredADMM", "check_masks_agree", "kept_fraction", "mask_of", "masks_digest",
            "named_masks", "positions_digest", "prune"]
 
-
-
-def __getattr__(name: str):
-    if name == "GroupSupport":  # reducing a masked bucket is the floor above's: this floor cannot hand it on
-        raise AttributeError("gcomp.pruning.GroupSupport is gcomp.packing.GroupSupport (since 0.2: the pruning floor "
-                             "imports nothing from the floors above it)")
-    raise AttributeError(f"module 'gcomp.pruning' has no attribute {name!r}")
