@@ -5,8 +5,11 @@ patterns (rank 0 saves, every rank loads) would hand every rank rank 0's residua
 along another trajectory without a word. So ``HookState.state_dict()`` records the world size and files this
 rank's part under its rank::
 
-    {"format": "gcomp.hook/3", "method": ..., "params": ..., "world_size": N, "iteration": ...,
+    {"format": "gcomp.<kind>/4", "method": ..., "params": ..., "world_size": N, "iteration": ...,
      "ranks": {"rank<r>": <bytes: torch.save of {"stats", "method"}>}}
+
+(kind: ``ddp``, ``fsdp``, ``hsdp`` or ``diloco``, the state that saved it; formats ``gcomp.hook/1`` to ``/3`` of
+earlier releases are read and upgraded)
 
 (a part: ``{"stats": ..., "method": <the method's state_dict>}``; a ``gcomp.Method``'s is ``{"memory": ...,
 "compressor": ...}``) and ``HookState.load_state_dict`` takes its own rank's part, refusing another rank's (unless the method's state
@@ -29,7 +32,9 @@ from gcomp.method import Method, MethodUnit
 from gcomp.sharding import reshard_parameters
 from gcomp.state_checks import check_state
 
-STATE_FORMAT = "gcomp.hook/3"
+VERSION = 4  # the format names the kind of state: gcomp.ddp/4, gcomp.fsdp/4, gcomp.hsdp/4, gcomp.diloco/4
+KINDS = ("ddp", "fsdp", "hsdp", "diloco")
+SHARED_FORMAT = "gcomp.hook/3"  # every kind's, before the kind was named: read as the loading state's kind
 PARTS_FORMAT = "gcomp.hook/2"  # each rank's part {"stats", "memory", "compressor"}: read, upgraded
 LEGACY_FORMAT = "gcomp.hook/1"  # one rank's state, no rank recorded
 AFRESH = ("install it and skip load_state_dict for this checkpoint (the model's and optimizer's states load as "
@@ -59,13 +64,19 @@ def unpack(key: str, blob: bytes) -> dict:
     return part
 
 
-def upgrade(state: Any, method: MethodUnit, rank: int, world_size: int) -> Any:
+def state_format(kind: str) -> str:
+    return f"gcomp.{kind}/{VERSION}"
+
+
+def upgrade(state: Any, method: MethodUnit, rank: int, world_size: int, kind: str) -> Any:
     """A checkpoint of an earlier format in today's: the first (one rank's state, taken as this rank's own, with
     a warning), or the second (each rank's part held the method's memory and compressor states side by side;
     a composite's memory was empty and its compressor's state is the composite's state now). Anything else is
     returned as it is, for ``check_header`` to judge."""
     if not isinstance(state, dict):
         return state
+    if state.get("format") == SHARED_FORMAT:
+        return {**state, "format": state_format(kind)}
     if state.get("format") == LEGACY_FORMAT:
         state = from_legacy(state, rank, world_size)
     if state.get("format") != PARTS_FORMAT or not isinstance(state.get("ranks"), dict):
@@ -88,16 +99,21 @@ def upgrade(state: Any, method: MethodUnit, rank: int, world_size: int) -> Any:
         else:
             own = part["compressor"]
         ranks[key] = pack({"stats": part["stats"], "method": own})
-    return {**state, "format": STATE_FORMAT, "ranks": ranks}
+    return {**state, "format": state_format(kind), "ranks": ranks}
 
 
-def check_header(state: Any, method: MethodUnit) -> None:
+def check_header(state: Any, method: MethodUnit, kind: str) -> None:
     """The parts of a checkpoint every rank shares: format, method and parameters, world size, step."""
     if not isinstance(state, dict):
         raise ValueError(f"not a gcomp hook state: expected a dict, got {type(state).__name__} (an empty or "
                          "truncated checkpoint file?)")
-    if state.get("format") != STATE_FORMAT:
-        raise ValueError(f"not a gcomp hook state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
+    found, expected = state.get("format"), state_format(kind)
+    if found != expected:
+        other = next((k for k in KINDS if found == state_format(k)), None)
+        if other is not None:
+            raise ValueError(f"this gcomp checkpoint is a {other} state's ({found}); this state is a {kind} state's: "
+                             f"load it into the kind of state that saved it")
+        raise ValueError(f"not a gcomp state (format {found!r}, expected {expected!r})")
     check_state("gcomp checkpoint", state, {"format": str, "method": str, "params": dict, "world_size": int,
                                             "iteration": int, "ranks": dict})
     if state["method"] != method.name or state["params"] != method.params:

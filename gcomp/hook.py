@@ -20,8 +20,6 @@ from gcomp.method import MethodUnit
 from gcomp.resume_layouts import SavedLayouts, gather, scatter
 from gcomp.run_state import RunState
 
-STATE_FORMAT = checkpoint.STATE_FORMAT
-
 
 class HookState(RunState):
     """Everything the hook keeps between calls: the method, per-bucket layouts, statistics.

@@ -43,8 +43,10 @@ class RunState:
 
     A subclass sets ``group`` and calls ``join(model)`` once the process group exists, and counts steps with
     ``count_step`` (or ``count_step_of_backward``); ``_numels`` maps each parameter name of the per-parameter state
-    to its number of entries, for the checks at load.
+    to its number of entries, for the checks at load; ``kind`` names the state in its checkpoint format.
     """
+
+    kind = "ddp"
 
     def __init__(self, method: MethodUnit, group: dist.ProcessGroup | None, extra_keys: tuple[str, ...] = ()):
         self.method = method
@@ -119,7 +121,7 @@ class RunState:
         so ``torch.load(path, weights_only=True)`` reads it back. ``gather_state_dict`` holds every rank's."""
         self._ensure_ready()
         part = {"stats": dict(self.stats), "method": self.method.state_dict(), **self._own_extras()}
-        return {"format": checkpoint.STATE_FORMAT, "method": self.method.name, "params": dict(self.method.params),
+        return {"format": checkpoint.state_format(self.kind), "method": self.method.name, "params": dict(self.method.params),
                 "world_size": self.world_size, "iteration": self.iteration,
                 "ranks": {checkpoint.rank_key(self.rank): checkpoint.pack(part)}}
 
@@ -149,11 +151,11 @@ class RunState:
         self._ensure_ready()
         error, header = None, "unreadable"
         try:
-            state = checkpoint.upgrade(state, self.method, self.rank, self.world_size)
+            state = checkpoint.upgrade(state, self.method, self.rank, self.world_size, self.kind)
             if isinstance(state, dict):
                 header = (f"{state.get('method')}({state.get('params')}) saved at world size "
                           f"{state.get('world_size')}, step {state.get('iteration')}")
-            checkpoint.check_header(state, self.method)
+            checkpoint.check_header(state, self.method, self.kind)
             part = checkpoint.own_part(state, self.method, self.rank, self.world_size,
                                       getattr(self, "shard_sizes", None))
             checkpoint.check_stats(part["stats"])

@@ -32,6 +32,8 @@ class ReplicaState(RunState):
     ``stats`` as ``HookState``'s (``buckets`` counts shard reductions); checkpoints as ``FSDPState``'s, per
     parameter piece ``"<parameter>[<shard>]"``."""
 
+    kind = "hsdp"
+
     def __init__(self, shard_state: FSDPState, group: dist.ProcessGroup, method: MethodUnit):
         if method.reads_model:
             raise ValueError(f"{method.name} reads the model's masks by DDP's bucket layout and cannot reduce a "

@@ -26,6 +26,8 @@ class FSDPState(RunState):
     checkpoint resumes on another number of shards (``gcomp.sharding``), where the method can merge its state.
     """
 
+    kind = "fsdp"
+
     def __init__(self, method: MethodUnit, model: torch.nn.Module, group: dist.ProcessGroup,
                  layouts: list[ShardLayout]):
         super().__init__(method, group, REDUCE_SCATTER_KEYS)

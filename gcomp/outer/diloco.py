@@ -53,6 +53,8 @@ class DiLoCo(RunState):
     syncs applied: outer steps when ``fragments`` is 1), the method's counters.
     """
 
+    kind = "diloco"
+
     def __init__(self, model: torch.nn.Module, sync_every: int = 50, method: Union[str, MethodUnit] = "identity",
                  outer_optimizer: Callable | None = None, group: dist.ProcessGroup | None = None,
                  inner_group: dist.ProcessGroup | None = None, fragments: int = 1, overlap: int = 0,
