@@ -4,16 +4,15 @@
     state = gcomp.install(ddp_model, "topk", ratio=0.01)   # one hook, any registered method
     state, hook = gcomp.comm_hook("topk", ratio=0.01)       # or register it yourself (Lightning's DDPStrategy)
 """
-from gcomp.attach import comm_hook, install
 from gcomp.bucket import BucketInfo
 from gcomp.core import (ALLGATHER, ALLREDUCE, EXACT, HIERARCHICAL, LARGEST, POINT_TO_POINT, UNBIASED, Communicator,
                         Compressor, Fidelity, Keeps, Memory, Payload, Traits, contraction, relative)
+from gcomp.elastic import end_process
 from gcomp.hook import HookState
-from gcomp.local_state import NotDistributed
+from gcomp.installer import NotDistributed, comm_hook, install
 from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.method import Method, MethodUnit
 from gcomp.params import OneOf, Range
-from gcomp.process_exit import end_process
 from gcomp.registry import UnknownMethodError, available, create, describe, register, spec
 
 from gcomp import compressors, pruning  # noqa: E402,F401  (registers the built-in methods)

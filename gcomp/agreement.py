@@ -5,6 +5,9 @@ Every rank receives the same table of digests, so every rank takes the same path
 one more collective, taken on the error path only, that fetches the differing field's values so the message can
 show both sides). A field is a short string; what it holds is the caller's (``gcomp.run_state`` asks about the
 method, the process group, the parameters and a loaded checkpoint).
+
+Before that, a state checks the ranks it reduces over (``check_member``, ``check_same_ranks``): this rank must be one
+of them, and they must be its model's (DDP's own group): over fewer or others, the replicas drift apart.
 """
 from __future__ import annotations
 
@@ -83,3 +86,33 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def global_ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def check_member(group, who: str, ddp_ranks: list[int] | None = None) -> None:
+    """A ``ValueError`` if this rank is not in ``group`` (``new_group`` hands non-members a placeholder)."""
+    if group is None:
+        return
+    if group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        ddp = "" if ddp_ranks is None else f", while the DDP model's group has {len(ddp_ranks)} ranks {ddp_ranks}"
+        raise ValueError(f"{who}: this rank (global rank {dist.get_rank()}) is not in process_group, which has "
+                         f"ranks {_ranks_or_unknown(group)}{ddp}; pass a group this rank belongs to (every rank its "
+                         "DDP model's own), or process_group=None for the DDP model's group")
+
+
+def check_same_ranks(who: str, hook_group, ddp_group) -> None:
+    """The hook must reduce over exactly the ranks DDP reduces over (``None`` is the default group)."""
+    world = dist.group.WORLD
+    ddp_ranks = dist.get_process_group_ranks(ddp_group if ddp_group is not None else world)
+    check_member(hook_group, who, ddp_ranks)
+    hook_ranks = dist.get_process_group_ranks(hook_group if hook_group is not None else world)
+    if sorted(hook_ranks) != sorted(ddp_ranks):
+        raise ValueError(f"{who}: process_group has {len(hook_ranks)} ranks {hook_ranks} but the DDP model's "
+                         f"group has {len(ddp_ranks)} {ddp_ranks}; the hook must reduce over the same ranks as DDP "
+                         "(pass process_group=None, or build DDP with process_group=...)")
+
+
+def _ranks_or_unknown(group) -> str:
+    try:
+        return str(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError):
+        return "unknown to this rank"

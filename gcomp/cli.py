@@ -288,7 +288,7 @@ def run() -> None:
     gcomp's methods, leave gloo's threads finishing their callbacks, which gcomp cannot settle; there CPython (before
     3.14) ends such a thread inside a C++ destructor and the process aborts after its work is done ("terminate
     called ... Resource deadlock avoided": seen in 2 of 5 runs of ``gcomp bench --codec``)."""
-    from gcomp.process_exit import end_process
+    from gcomp.elastic import end_process
 
     end_process(main())
 

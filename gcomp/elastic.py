@@ -1,14 +1,20 @@
-"""A process group that survives torchrun's restarts (``--max-restarts``): each attempt rendezvouses on a key space
-of its own in torchrun's store.
+"""A torchrun process around gcomp: a process group that survives torchrun's restarts (``init_process_group``), and
+an end that does not abort (``end_process``).
 
 After a restart, ``init_process_group`` on torchrun's address can fail with gloo's "connectFullMesh: connection
 refused", with or without gcomp: the store still holds the keys of the attempt that died, and the new attempt's
 ranks read the dead one's addresses. ``init_process_group`` here builds the group on
 ``PrefixStore(f"attempt{TORCHELASTIC_RESTART_COUNT}", store)``, so every attempt starts from empty keys.
+
+A backend thread may still be finishing a collective's callbacks when a script's last line returns; CPython before
+3.14 then ends it inside a C++ destructor and the process aborts after all its work is done ("terminate called
+without an active exception"), which torchrun reports as a failed run. ``end_process`` waits for gcomp's
+collectives, flushes the output and leaves at once.
 """
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -36,3 +42,14 @@ def init_process_group(backend: str = "gloo", timeout: timedelta = timedelta(sec
     dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt()}", store), rank=rank,
                             world_size=world, timeout=timeout)
     return attempt()
+
+
+def end_process(code: int = 0, timeout: float = 5.0) -> None:
+    """Settle gcomp's collectives (``timeout`` seconds at most), flush stdout and stderr, and end the process with
+    ``code``, skipping the interpreter's shutdown (``atexit`` handlers and finalisers do not run: call it last)."""
+    from gcomp.collectives.launch import settle  # only when ending: importing gcomp stays light
+
+    settle(timeout=timeout)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -15,7 +15,7 @@ from gcomp.collectives.launch import settle, then_on
 from gcomp.collectives.reduce import all_reduce_all
 from gcomp.core import Payload
 from gcomp.dense import STAT_KEYS as DENSE_KEYS, DenseRule, reduce_split, split_of
-from gcomp.groups import check_member, check_same_ranks
+from gcomp.agreement import check_member, check_same_ranks
 from gcomp.method import MethodUnit
 from gcomp.resume_layouts import SavedLayouts, gather, scatter
 from gcomp.run_state import RunState

@@ -1,4 +1,4 @@
-"""``gcomp.ddp_options.no_buffer_sync``: DDP built with it syncs no buffer at forward and warns about nothing, on
+"""``gcomp.pruning.no_buffer_sync``: DDP built with it syncs no buffer at forward and warns about nothing, on
 the torch installed (``forward_sync_buffers=False`` since torch 2.13); on a DDP without that option it falls
 back to ``broadcast_buffers=False``. One rank, one gloo group in this process (a FileStore in tmp_path)."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import prune
 
-from gcomp import ddp_options
-from gcomp.ddp_options import no_buffer_sync
+from gcomp.pruning import masks as ddp_options
+from gcomp.pruning import no_buffer_sync
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ TEXT_FILES = sorted([*ROOT.glob("gcomp/**/*.py"), *ROOT.glob("tests/**/*.py"), *
                      *ROOT.glob("docs/*.md"), ROOT / "README.md"])
 ABOVE_PRUNING = ("gcomp.packing", "gcomp.compressors", "gcomp.collectives", "gcomp.hook", "gcomp.bench",
                  "gcomp.registry", "gcomp.memory")
-ABOVE_LINK = ("gcomp.bench", "gcomp.auto", "gcomp.fsdp", "gcomp.hook", "gcomp.attach", "gcomp.compressors")
+ABOVE_LINK = ("gcomp.bench", "gcomp.auto", "gcomp.fsdp", "gcomp.hook", "gcomp.installer", "gcomp.compressors")
 MAY_IMPORT_BENCH = ("gcomp/bench/", "gcomp/cli.py")
 MAX_LINES = 300
 # A repository path as prose names it: a top-level folder of the project, then a file or folder.

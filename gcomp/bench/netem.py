@@ -41,7 +41,7 @@ ever touched. Needs root, ``ip`` and ``tc`` (iproute2): ``permitted()`` says whe
 
 This module holds ``ShapedNetwork`` and its tbf settings; the commands it runs, the names present, ``permitted``
 and ``cleanup_stale`` are ``gcomp.bench.netns`` (importable from here too), and the rate parsing is
-``gcomp.link.rates``.
+``gcomp.link``'s.
 """
 from __future__ import annotations
 
@@ -60,18 +60,6 @@ INTERFACE = "eth0"
 MAX_WORKERS = 99  # two digits after "<prefix>v" keep host-side names within IFNAMSIZ - 1 = 15 characters
 MIN_BURST_BYTES = 64 * 1024
 HZ_FLOOR = 250  # the lowest common kernel HZ: tbf needs burst >= rate / HZ
-# The rate parsing (``parse_rate``, ``RATE_UNITS``, ``RATE_FORMS``) moved to ``gcomp.link.rates``; see __getattr__.
-_MOVED_TO_LINK = ("parse_rate", "RATE_UNITS", "RATE_FORMS")
-
-
-def __getattr__(name: str):
-    """``netem.parse_rate`` and the other rate names, from ``gcomp.link`` for one release. Read when asked for, not
-    at import: this module and ``netns`` import nothing but the standard library, so a shaped network can be
-    built by an interpreter that never imports torch."""
-    if name in _MOVED_TO_LINK:
-        from gcomp.link import rates
-        return getattr(rates, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_burst_bytes(rate_bps: int) -> int:

@@ -13,9 +13,6 @@ of a run (``gcomp.bench.worker``): timed gloo all-reduces of a tiny and of a lar
 latency per message ``alpha`` (tc's queueing, veth, the bridge, gloo's TCP and its threads, and the scheduling
 of ``P`` processes on this machine's cores, all included) and the difference of the two the seconds per byte
 ``beta``. ``gcomp simulate`` prices every collective with them.
-
-``timed_allreduce_s``, ``link_from_timings``, ``PROBE_SMALL_BYTES`` and ``PROBE_LARGE_BYTES`` live in
-``gcomp.link`` and stay importable from here for one release.
 """
 from __future__ import annotations
 

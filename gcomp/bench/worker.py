@@ -45,7 +45,7 @@ from gcomp.bench.straggler import ReadyClock, wait_for_peers
 from gcomp.bench.throughput import probe_link, probe_loaded_latency
 from gcomp.collectives.counting import COUNTER_KEYS
 from gcomp.bench.workloads import Data, accuracy, load_data, loss_fn, make_model
-from gcomp.ddp_options import no_buffer_sync
+from gcomp.pruning import no_buffer_sync
 from gcomp.pruning import kept_fraction, prune
 
 COMPUTE_SAMPLES = 5

@@ -25,11 +25,9 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from gcomp.attach import install as install_hook
 from gcomp.hook import HookState
-from gcomp.local_state import NotDistributed
+from gcomp.installer import NotDistributed, install as install_hook, one_process_of_many
 from gcomp.registry import method_from
-from gcomp.routes import one_process_of_many
 
 
 class GatheredHookState:

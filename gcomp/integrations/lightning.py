@@ -18,10 +18,9 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from gcomp.attach import comm_hook
-from gcomp.registry import method_from
 from gcomp.hook import HookState, gcomp_hook
-from gcomp.local_state import NotDistributed
+from gcomp.installer import NotDistributed, comm_hook
+from gcomp.registry import method_from
 
 try:
     from lightning.pytorch.callbacks import Callback

@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gcomp.attach import install as install_hook
 from gcomp.hook import HookState
-from gcomp.local_state import NotDistributed
+from gcomp.installer import NotDistributed, install as install_hook
 from gcomp.registry import method_from
 
 try:

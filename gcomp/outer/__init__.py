@@ -7,8 +7,7 @@ gradient (``docs/outer.md``).
         outer.step()
 """
 from gcomp.outer.arguments import default_outer_optimizer
-from gcomp.outer.diloco import DiLoCo
+from gcomp.outer.diloco import DiLoCo, keep_local
 from gcomp.outer.fragments import due, offset, split
-from gcomp.outer.local_hook import keep_local
 
 __all__ = ["DiLoCo", "default_outer_optimizer", "due", "keep_local", "offset", "split"]

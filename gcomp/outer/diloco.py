@@ -11,11 +11,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gcomp.agreement import agree, global_ranks
+from gcomp.collectives.launch import launched
 from gcomp.method import MethodUnit
 from gcomp.outer import arguments, saved
-from gcomp.outer.fragments import buckets, due, split
+from gcomp.outer.fragments import Pending, buckets, due, split
 from gcomp.outer.identical import check_identical
-from gcomp.outer.pending import Pending
 from gcomp.run_state import FIXES, RunState
 
 STAT_KEYS = ("inner_steps", "outer_steps")
@@ -221,3 +221,28 @@ class DiLoCo(RunState):
     def _check_parameters(self, part: dict) -> None:
         super()._check_parameters(part)
         saved.check_outer(self, self._loaded)
+
+
+def local_hook(inner_group, bucket: dist.GradBucket):
+    """The communication hook of a trainer's DDP model under DiLoCo: each bucket averaged over ``inner_group`` (a
+    node's ranks), or with None left as this rank's own gradient; the outer loop is where the method sits. (No
+    return annotation: DDP would compare a postponed one with ``Future[Tensor]`` and refuse it.)"""
+    buffer = bucket.buffer()
+    if inner_group is None:
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+    buffer.div_(dist.get_world_size(inner_group))
+    return launched(dist.all_reduce(buffer, group=inner_group, async_op=True)).then(lambda fut: fut.value()[0])
+
+
+def keep_local(ddp: torch.nn.Module, inner_group=None) -> None:
+    """Register ``local_hook`` on a trainer's DDP model (before its first step): its inner steps stay local, or
+    within ``inner_group``, instead of all-reducing each inner step's gradient across nodes."""
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(f"gcomp.outer.keep_local takes a DistributedDataParallel model; got {type(ddp).__name__}")
+    if getattr(ddp, "_gcomp_state", None) is not None:
+        raise RuntimeError("a gcomp hook is already installed on this DDP model: under DiLoCo the inner steps stay "
+                           "local (or within inner_group), and the outer loop is where the method sits")
+    ddp.register_comm_hook(inner_group, local_hook)
+    ddp._gcomp_state = "gcomp.outer local steps"

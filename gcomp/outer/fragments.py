@@ -1,5 +1,6 @@
 """How ``gcomp.outer`` cuts the parameters: fragments (whole parameters, contiguous in model order, balanced by
-their number of entries), each fragment's flat buckets, and the streaming schedule.
+their number of entries), each fragment's flat buckets, the streaming schedule, and a fragment's reduction in
+flight (``Pending``).
 
 Fragment ``f`` of ``F`` syncs at the inner steps ``s >= 1`` (``s`` counts the inner steps taken, this one included)
 with ``s % H == (f * H) // F`` (``H``: ``sync_every``); with ``F = 1`` that is every ``H``-th step.
@@ -13,6 +14,7 @@ from itertools import accumulate
 import torch
 
 from gcomp.bucket import BucketInfo
+from gcomp.collectives.launch import settle
 
 
 def split(numels: list[int], fragments: int) -> list[range]:
@@ -80,3 +82,21 @@ def buckets(names: list[str], params: list[torch.Tensor], members: range, first_
                                       [names[i] for i in group], [params[i].numel() for i in group])
         made.append(Bucket(info, tuple(group)))
     return made
+
+
+@dataclass
+class Pending:
+    """A fragment's reduction in flight (``future``: a future of its buckets' futures), or resolved (``means``,
+    the reduced outer gradient per bucket, as a checkpoint holds it)."""
+
+    fragment: int
+    apply_at: int
+    future: torch.futures.Future | None = None
+    means: list[torch.Tensor] | None = None
+
+    def result(self) -> list[torch.Tensor]:
+        """The reduced outer gradient per bucket; waits for it, raising the collective's error (a dead peer)."""
+        if self.means is None:
+            self.means = [f.wait() for f in self.future.wait()]
+            settle()
+        return self.means

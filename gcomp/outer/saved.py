@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gcomp.outer.pending import Pending
+from gcomp.outer.fragments import Pending
 from gcomp.state_checks import check_state
 
 OWNER = "gcomp.outer checkpoint"

@@ -4,15 +4,19 @@ hold the same ones (``check_masks_agree`` compares it across a process group).
 gcomp prunes through ``torch.nn.utils.prune``: a pruned ``weight`` becomes the Parameter ``weight_orig`` and
 the buffer ``weight_mask``, and the forward uses ``weight_orig * weight_mask``. The gradient of ``weight_orig``
 is therefore zero wherever the mask is zero on every rank (gradient sparsity enforcement, PacTrain eq. 2),
-and the mask, not a rank's own gradient zeros, is the support every rank agrees on.
+and the mask, not a rank's own gradient zeros, is the support every rank agrees on. The masks are buffers as large
+as their weights, which DDP would broadcast at every forward: ``no_buffer_sync`` says how to stop it.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 _ORIG = "_orig"
 _MASK = "_mask"
@@ -111,3 +115,28 @@ def check_masks_agree(masks, group=None) -> tuple[int, int]:
         raise RuntimeError(f"pruning masks differ across ranks: digests (hash, kept) range from {tuple(lo)} to "
                            f"{tuple(hi)}; this rank holds {tuple(d.tolist())}")
     return tuple(d.tolist())
+
+
+@functools.cache
+def _has_forward_sync_buffers() -> bool:
+    return "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def no_buffer_sync() -> dict:
+    """DDP keyword arguments that stop DDP from broadcasting the module's buffers from rank 0 at every forward.
+
+    Pruned models need them: DDP would otherwise re-send every mask at every forward (``prune`` makes them equal on
+    every rank already). Use as ``DistributedDataParallel(model, **no_buffer_sync())``.
+
+    - torch 2.13 and later: ``{"forward_sync_buffers": False}``. ``broadcast_buffers`` is deprecated there
+      (a FutureWarning at every construction). The buffers are still broadcast once, from rank 0, when DDP is
+      built (``init_sync``), unlike with ``broadcast_buffers=False``: buffers that must differ between ranks
+      from the start have to be set after DDP is built.
+    - older torch, whose DDP has no ``forward_sync_buffers``: ``{"broadcast_buffers": False}`` (no buffer sync
+      at construction either).
+
+    The choice is made from DDP's signature, not from the version number.
+    """
+    if _has_forward_sync_buffers():
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}

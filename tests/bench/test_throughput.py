@@ -88,20 +88,3 @@ def _loaded_job():
 def test_loaded_latency_probe_runs_the_local_step_before_each_all_reduce():
     for alpha, steps in run_ranks(2, _loaded_job):
         assert steps == 3 and alpha >= 0.0
-
-
-def test_the_names_moved_to_gcomp_link_are_still_the_bench_modules_for_one_release():
-    import gcomp.link as link
-    from gcomp.bench import collective_costs, netem, throughput
-    moved = {collective_costs: ["DEFAULT_ALPHA_S", "Launched", "Network", "P2P_METHODS", "RATE_UNITS",
-                                "bandwidth_label", "comm_time", "gtopk_s", "hierarchical_s", "launched_s",
-                                "p2p_byte_share", "p2p_depth", "parse_rate", "point_to_point_s", "ring_allgather_s",
-                                "ring_allreduce_s", "rounds", "spardl_s", "tree_broadcast_s"],
-             throughput: ["PROBE_LARGE_BYTES", "PROBE_SMALL_BYTES", "RATE_FORMS", "link_from_timings", "parse_rate",
-                          "timed_allreduce_s"],
-             netem: ["RATE_FORMS", "RATE_UNITS", "parse_rate"]}
-    for module, names in moved.items():
-        for name in names:
-            assert getattr(module, name) is getattr(link, name), f"{module.__name__}.{name}"
-    with pytest.raises(AttributeError):
-        netem.no_such_name

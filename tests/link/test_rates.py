@@ -1,4 +1,4 @@
-"""A link's rate as text (``gcomp.link.rates``): tc's units read in bits per second, bad text refused."""
+"""A link's rate as text (``gcomp.link``): tc's units read in bits per second, bad text refused."""
 from __future__ import annotations
 
 import pytest

@@ -1,10 +1,17 @@
 """Putting a method on a model: ``gcomp.comm_hook`` for trainers that register the DDP hook themselves, and
 ``gcomp.install`` for a model at hand: a DDP model (``gcomp.hook`` holds the hook and its state) or a
-``fully_shard``-ed one (FSDP2: ``gcomp.fsdp`` puts a gcomp reduce-scatter on each of its FSDP modules)."""
+``fully_shard``-ed one (FSDP2: ``gcomp.fsdp`` puts a gcomp reduce-scatter on each of its FSDP modules).
+
+Where there is nothing to compress (one process, no DDP model) ``install(..., if_distributed=True)`` returns a
+``NotDistributed`` state; a model it cannot take gets the advice that fits (inside a trainer, the trainer's route,
+not "wrap it in DDP"). The trainers are looked for only where a script has imported them: gcomp imports none.
+"""
 from __future__ import annotations
 
 import logging
-from typing import Callable, Union
+import os
+import sys
+from typing import Any, Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -12,12 +19,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from gcomp.dense import DenseRule, DenseSpec
-from gcomp.groups import check_member, check_same_ranks
+from gcomp.agreement import check_member, check_same_ranks
 from gcomp.hook import HookState, gcomp_hook
-from gcomp.local_state import NotDistributed
 from gcomp.method import MethodUnit
 from gcomp.registry import method_from
-from gcomp.routes import launched_processes, trainer_route
+from gcomp.run_state import STAT_KEYS, method_spec
 
 _log = logging.getLogger("gcomp")
 
@@ -63,7 +69,7 @@ def install(model: torch.nn.Module | None = None, name_or_method: Union[str, Met
 
     ``if_distributed=True`` is for scripts that also run on one process (``python train.py``, a debugging run),
     where the model is not wrapped in DDP: a module that is not DDP, with no process group or a group of one,
-    is left as it is with one info line (logger ``gcomp``), and a ``gcomp.local_state.NotDistributed`` is
+    is left as it is with one info line (logger ``gcomp``), and a ``NotDistributed`` is
     returned (``stats`` all zero, ``compression_ratio`` 1.0, printed as "not distributed: nothing
     compressed"). By default, or with more than one process, a model that is not DDP is a ``TypeError``
     naming the route: inside Accelerate or for a LightningModule, that trainer's gcomp integration.
@@ -124,3 +130,83 @@ def _not_ddp(model, name_or_method, params: dict, if_distributed: bool) -> NotDi
                        if launched > 1 and not dist.is_initialized() else ""))
     raise TypeError(f"gcomp.install needs a torch.nn.parallel.DistributedDataParallel model; got "
                     f"{type(model).__name__}. {fix[0].upper()}{fix[1:]}")
+
+
+class NotDistributed:
+    """The state of a method installed where there is nothing to compress (one process, no DDP model): a script
+    that also runs on one process keeps working unchanged. ``distributed`` is False; ``stats`` holds every key a hook state's has, at zero; ``compression_ratio`` is
+    1.0; ``state_dict()`` is empty and ``load_state_dict`` accepts only an empty one (a checkpoint of a
+    distributed run holds every rank's part, which one process cannot continue). ``str(state)`` reads
+    ``gcomp: not distributed: nothing compressed (...)``.
+    """
+
+    distributed = False
+
+    def __init__(self, method: MethodUnit, why: str):
+        self.method = method
+        self.why = why
+        self.stats: dict[str, Any] = {key: 0 for key in STAT_KEYS}
+
+    @property
+    def compression_ratio(self) -> float:
+        return 1.0
+
+    def describe(self) -> str:
+        return f"gcomp: not distributed: nothing compressed ({self.method.name}; {self.why})"
+
+    __str__ = describe
+
+    def __repr__(self) -> str:
+        return f"NotDistributed({method_spec(self.method)}, {self.why!r})"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError("gcomp: this run is not distributed (nothing compressed) but the checkpoint holds a "
+                             "distributed run's gcomp state: resume it with as many processes as saved it")
+
+
+# --- advice for a model install cannot take --------------------------------------------------------------------
+
+def accelerate_processes() -> int | None:
+    """Accelerate's process count where an ``Accelerator`` (its ``PartialState``) is set up, else None."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None)
+    return shared.get("num_processes", 1) if shared else None
+
+
+def launched_processes() -> int:
+    """The processes a launcher started (torchrun, ``accelerate launch``): its ``WORLD_SIZE``, else 1."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def one_process_of_many(processes: int | None) -> str | None:
+    """The error where Accelerate runs one process though a launcher started several (on CPU without
+    ``Accelerator(cpu=True)``, every process trains alone), else None."""
+    launched = launched_processes()
+    if processes is None or processes > 1 or launched <= 1:
+        return None
+    return (f"Accelerate runs this process alone though {launched} were launched (WORLD_SIZE={launched}): each "
+            "would train its own model. On CPU, Accelerate is distributed only with Accelerator(cpu=True), "
+            "launched by `accelerate launch --multi_gpu --num_processes N` or torchrun")
+
+
+def trainer_route(model: torch.nn.Module) -> str | None:
+    """What to do instead of wrapping ``model`` in DDP by hand, where a trainer owns the model; else None."""
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        lightning_module = getattr(sys.modules.get(package), "LightningModule", None)
+        if lightning_module is not None and isinstance(model, lightning_module):
+            return ("this is a LightningModule: Lightning builds the DDP model when fitting starts; pass "
+                    "callbacks=[gcomp.integrations.lightning.GcompCallback('topk', ratio=0.01)] to L.Trainer "
+                    "(with strategy='ddp') instead of calling gcomp.install")
+    processes = accelerate_processes()
+    if processes is not None:
+        return (one_process_of_many(processes) or
+                "under Accelerate: call accelerator.prepare(model) first, then "
+                "gcomp.integrations.accelerate.install(accelerator, model, ...) on the model it returns")
+    return None
