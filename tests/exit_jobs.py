@@ -6,7 +6,7 @@ Three training steps with ``topk``, then one reduction called by hand, outside a
 bench``'s codec table does). Every all-gather's completion also runs a callback that sleeps a second on gloo's
 worker thread after the future DDP waits for has completed: the widest form of the race in which the main
 thread reaches interpreter shutdown while the worker still has Python objects to drop
-(``gcomp.collectives.futures``). Prints how many collectives are in flight after the steps (the hook settles
+(``gcomp.collectives.launch``). Prints how many collectives are in flight after the steps (the hook settles
 them at the end of each backward pass: 0), then DONE.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gcomp
-from gcomp.collectives import allgather, futures
+from gcomp.collectives import gather as allgather, launch as futures
 
 
 def _slow_when_all_done(futures, value):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gcomp.device_future import then_on
+from gcomp.collectives.launch import then_on
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA GPU here (torch.cuda.is_available() is False)")])]

@@ -1,5 +1,5 @@
 """A run that ends right after its last step exits cleanly: the backend's worker threads are done with gcomp's
-collectives before the interpreter shuts down (``gcomp.collectives.futures``). Without that, each process below
+collectives before the interpreter shuts down (``gcomp.collectives.launch``). Without that, each process below
 aborts with "terminate called without an active exception" (SIGABRT) after printing DONE."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 - every registered method through the hook on one rank with NCCL (a subprocess: one NCCL group for all of
   them): a few DDP training steps, parameters finite, and equal to plain DDP's for the lossless methods, and
-  bit for bit the same with the codec on its side stream (``gcomp.kernels.streams``); one bucket's reduction
+  bit for bit the same with the codec on its side stream (``gcomp.collectives.launch.codec_stream``); one bucket's reduction
   under ``torch.cuda.set_sync_debug_mode("warn")``, no more synchronisations than the method declares; then
   ``gcomp bench --codec --device cuda``'s table in the same group, and ``gcomp bench --overhead`` on the GPU;
 - every method on 2 gloo ranks sharing the GPU, where gloo runs the method's collectives on CUDA tensors
@@ -73,8 +73,8 @@ def _train_with_reference(name: str, device: torch.device, streams_too: bool = F
         out = train(name, device, name in PRUNED)
         if name in LOSSLESS:
             out["reference"] = train(None, device, name in PRUNED)["params"]
-        if streams_too:  # the same run with every codec on the side stream (gcomp.kernels.streams)
-            from gcomp.kernels.streams import codec_stream
+        if streams_too:  # the same run with every codec on the side stream (gcomp.collectives.launch.codec_stream)
+            from gcomp.collectives.launch import codec_stream
             with codec_stream():
                 out["side_stream"] = train(name, device, name in PRUNED)["params"]
         return out

@@ -8,7 +8,7 @@
 - no module of ``gcomp`` is over 300 lines;
 - nothing in the code, the tests, the examples, the README or ``docs/`` cites a file that is not in the
   repository (a design note or spec kept elsewhere), and every repository path they name exists;
-- every asynchronous collective's future is taken through ``gcomp.collectives.futures.launched``, so the hook
+- every asynchronous collective's future is taken through ``gcomp.collectives.launch.launched``, so the hook
   can settle it before the main thread goes on.
 """
 from __future__ import annotations
@@ -106,11 +106,11 @@ def test_every_repository_path_named_exists():
 
 @pytest.mark.parametrize("path", sorted(ROOT.glob("gcomp/**/*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_collectives_futures_are_taken_through_launched(path):
-    if path.relative_to(ROOT).as_posix() == "gcomp/collectives/futures.py":
+    if path.relative_to(ROOT).as_posix() == "gcomp/collectives/launch.py":
         return
     calls = [node.lineno for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get_future"]
-    assert not calls, f"{path.name}: .get_future() on line(s) {calls}; use gcomp.collectives.futures.launched(work)"
+    assert not calls, f"{path.name}: .get_future() on line(s) {calls}; use gcomp.collectives.launch.launched(work)"
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.glob("gcomp/**/*.py")), ids=lambda p: str(p.relative_to(ROOT)))

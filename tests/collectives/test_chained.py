@@ -1,4 +1,4 @@
-"""``gcomp.collectives.chained``: the two chained all-reduce rounds (the first reduced with its op and waited for,
+"""``gcomp.collectives.reduce``'s chained rounds: the two chained all-reduce rounds (the first reduced with its op and waited for,
 ``second_round`` computed from its result, then the rest), and one round with per-tensor ops when a payload is
 not chained. 3 gloo ranks, several buckets in flight as DDP has them."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from gcomp import BucketInfo, Payload
-from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
+from gcomp.collectives.reduce import ChainedAllreduceCommunicator, ChainedCompressor
 from gcomp.core import MAX, SUM
 from tests.distributed import run_ranks
 
@@ -19,11 +19,11 @@ class _ScaledByMax(ChainedCompressor):
     def __init__(self):
         self.seen = []
 
-    def compress(self, tensor, bucket):
+    def encode(self, tensor, state, bucket):
         two = bool(bucket.index % 2 == 0)
         if two:
-            return Payload([tensor.clone(), torch.zeros_like(tensor)], ctx=(two, tensor), ops=(MAX, SUM))
-        return Payload([tensor.clone(), tensor.clone()], ctx=(two, tensor), ops=(SUM, MAX))
+            return Payload([tensor.clone(), torch.zeros_like(tensor)], ctx=(two, tensor), ops=(MAX, SUM)), state
+        return Payload([tensor.clone(), tensor.clone()], ctx=(two, tensor), ops=(SUM, MAX)), state
 
     def chained(self, payload):
         return payload.ctx[0]
@@ -32,7 +32,7 @@ class _ScaledByMax(ChainedCompressor):
         self.seen.append(payload.tensors[0].clone())  # the shared maximum, already reduced
         payload.tensors[1] = payload.ctx[1] / payload.tensors[0]
 
-    def decompress(self, tensors, ctx):
+    def decode(self, tensors, ctx):
         return torch.cat(tensors)
 
 
@@ -42,9 +42,9 @@ def _job() -> dict:
     futures = []
     for index in range(4):  # all launched before any is waited for
         x = torch.tensor([1.0 + rank, 10.0 - rank]) * (index + 1)
-        payload = comp.compress(x, BucketInfo.single(x, index=index))
+        payload, _ = comp.encode(x, {}, BucketInfo.single(x, index=index))
         futures.append((comm.exchange(payload, comp, None, {"bytes_sent": 0}), payload))
-    return {"results": [comm.decode(f.wait(), comp, p.ctx) for f, p in futures], "seen": comp.seen}
+    return {"results": [comp.decode(f.wait(), p.ctx) for f, p in futures], "seen": comp.seen}
 
 
 def test_two_rounds_share_the_first_result_and_one_round_keeps_each_tensors_op():

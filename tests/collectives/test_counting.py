@@ -8,11 +8,11 @@ import torch.distributed as dist
 
 import gcomp
 from gcomp import BucketInfo, Payload
-from gcomp.collectives import counting
-from gcomp.collectives.allgather import AllgatherCommunicator
-from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator
-from gcomp.collectives.chained import ChainedAllreduceCommunicator, ChainedCompressor
-from gcomp.collectives.p2p import Round, run_program
+from gcomp.collectives import launch as counting
+from gcomp.collectives.gather import AllgatherCommunicator
+from gcomp.collectives.program import Round, run_program
+from gcomp.collectives.reduce import ChainedAllreduceCommunicator, ChainedCompressor
+from gcomp.collectives.sized import SizedAllgatherCommunicator, SizedCompressor
 from gcomp.core import MAX, SUM
 from gcomp.run_state import STAT_KEYS as _STAT_KEYS
 from tests.distributed import run_ranks
@@ -31,14 +31,29 @@ def _launched(stats: dict) -> dict:
 class _TwoRounds(ChainedCompressor):
     """Round 1: one scale (MAX); round 2: the bucket over it (SUM)."""
 
-    def compress(self, tensor, bucket):
-        return Payload([tensor.abs().amax().reshape(1), tensor.clone()], ctx=tensor, ops=(MAX, SUM))
+    def encode(self, tensor, state, bucket):
+        return Payload([tensor.abs().amax().reshape(1), tensor.clone()], ctx=tensor, ops=(MAX, SUM)), state
 
     def second_round(self, payload):
         payload.tensors[1] = payload.ctx / payload.tensors[0]
 
-    def decompress(self, tensors, ctx):
+    def decode(self, tensors, ctx):
         return tensors[1] * tensors[0]
+
+
+class _Rows(SizedCompressor):
+    """A sized codec whose one tensor is ``count`` rows long."""
+
+    traits = gcomp.Traits(collective=gcomp.ALLGATHER)
+
+    def encode(self, tensor, state, bucket):
+        return Payload([tensor]), state
+
+    def rows(self, ctx, count):
+        return [count]
+
+    def decode(self, received, ctx):
+        return received
 
 
 def _uneven(rank: int):
@@ -64,7 +79,7 @@ def _job() -> dict:
         out[name] = _launched(stats)
     stats = _fresh()
     comp, comm = _TwoRounds(), ChainedAllreduceCommunicator()
-    payload = comp.compress(grad.clone(), info)
+    payload, _ = comp.encode(grad.clone(), {}, info)
     comm.exchange(payload, comp, None, stats).wait()
     out["chained"] = _launched(stats)
     stats = _fresh()
@@ -72,7 +87,7 @@ def _job() -> dict:
                                      stats).wait()
     out["allgather"] = _launched(stats)
     stats = {**_fresh(), "padding_bytes": 0}
-    SizedAllgatherCommunicator().exchange(Payload([grad[:3 + 2 * rank].clone()]), comp, None, stats).wait()
+    SizedAllgatherCommunicator().exchange(Payload([grad[:3 + 2 * rank].clone()]), _Rows(), None, stats).wait()
     out["sized"] = _launched(stats)
     stats = _fresh()
     run_program(_uneven(rank), stats=stats)

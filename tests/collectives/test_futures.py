@@ -1,4 +1,4 @@
-"""The bookkeeping of collectives in flight (``gcomp.collectives.futures``); ``tests/test_exit.py`` runs the
+"""The bookkeeping of collectives in flight (``gcomp.collectives.launch``); ``tests/test_exit.py`` runs the
 race it prevents between real processes."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from gcomp.collectives import futures
+from gcomp.collectives import launch as futures
 
 
 class FakeWork:

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import gcomp
-from gcomp.collectives.gather_flat import all_gather_flat
+from gcomp.collectives.launch import all_gather_flat
 from tests import models
 from tests.distributed import run_ranks
 
