@@ -6,11 +6,11 @@
 """
 from gcomp.bucket import BucketInfo
 from gcomp.core import (ALLGATHER, ALLREDUCE, EXACT, HIERARCHICAL, LARGEST, POINT_TO_POINT, UNBIASED, Communicator,
-                        Compressor, Fidelity, Keeps, Memory, Payload, Traits, contraction, relative)
+                        Compressor, Fidelity, Keeps, Memory, NoMemory, Payload, ResidualMemory, Traits, contraction,
+                        relative)
 from gcomp.elastic import end_process
 from gcomp.hook import HookState
 from gcomp.installer import NotDistributed, comm_hook, install
-from gcomp.memory import NoMemory, ResidualMemory
 from gcomp.method import Method, MethodUnit
 from gcomp.params import OneOf, Range
 from gcomp.registry import UnknownMethodError, available, create, describe, register, spec

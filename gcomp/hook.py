@@ -83,7 +83,9 @@ class HookState(RunState):
         self._settle_task = -1  # the backward pass (autograd graph task) whose end settles the collectives
         self._explicit_group = process_group is not None
         self._ddp_group = False  # the DDP model's own group once bound to one (None: the default group)
-        self._saved_layouts = SavedLayouts()  # the last step's bucket layouts, or a loaded checkpoint's
+        self._resume = SavedLayouts()  # a loaded checkpoint's bucket layouts, for the first steps of a resumed run
+        self._this_step: list[BucketInfo] = []  # the layouts reduced so far this step, then the last whole step's
+        self._last_step: list[BucketInfo] = []
         self._first_layout = 1  # steps a DDP model takes on its first buckets (1: DDP's default)
         self._steps_here = 0  # steps taken in this process
         if model is not None:
@@ -199,7 +201,7 @@ class HookState(RunState):
         their saved order, and put back together."""
         futures = []
         for i, (info, where) in enumerate(pieces):
-            self._saved_layouts.record(info, last=last and i == len(pieces) - 1)
+            self._record(info, last=last and i == len(pieces) - 1)
             futures.append(self._reduce_layout(gather(buffer, where), info))
         self.stats["buckets"] += len(pieces) - 1  # as many reductions as the saved run made
 
@@ -233,14 +235,14 @@ class HookState(RunState):
         stats["buckets"] += 1
         stats["bytes_dense"] += buffer.numel() * buffer.element_size()
         last = bucket.is_last()
-        pieces = None if warming_up else self._saved_layouts.pieces(info)
+        pieces = None if warming_up or not self._resume.left else self._resume.pieces(info)
         if last:
             if self._unchecked is not None:  # every parameter has a name now
                 part, self._unchecked = self._unchecked, None
                 checkpoint.check_parameter_tensors(self.method, part, self._numels)
             self._stepped = True
             self._steps_here += 1
-            self._saved_layouts.step_taken()
+            self._resume.left = max(0, self._resume.left - 1)
             self.count_step()
             stats["warmup_steps"] += int(warming_up)
         if warming_up:
@@ -249,8 +251,14 @@ class HookState(RunState):
             return then_on(all_reduce_all(Payload([buffer]), self.group), lambda f: f.value()[0], buffer.device)
         if pieces is not None:
             return self._reduce_as_saved(buffer, pieces, last)
-        self._saved_layouts.record(info, last=last)
+        self._record(info, last)
         return self._reduce_layout(buffer, info)
+
+    def _record(self, info: BucketInfo, last: bool) -> None:
+        """A bucket reduced with layout ``info``; ``last``: the step's last bucket (its layouts are saved)."""
+        self._this_step.append(info)
+        if last:
+            self._last_step, self._this_step = self._this_step, []
 
     def _reduce_layout(self, buffer: torch.Tensor, info: BucketInfo) -> torch.futures.Future:
         """The method on the bucket; with dense parameters in it, on the rest beside their all-reduce."""
@@ -267,7 +275,7 @@ class HookState(RunState):
     def _own_extras(self) -> dict:
         """The bucket layouts of the last step (``gcomp.resume_layouts``), so a resumed run reduces its first
         buckets as they were."""
-        layouts = self._saved_layouts.state()
+        layouts = self._resume.state(self._last_step)
         return {"layouts": layouts} if layouts else {}
 
     def _check_parameters(self, part: dict) -> None:
@@ -278,7 +286,8 @@ class HookState(RunState):
         buckets, whatever their layout.)"""
         layouts = SavedLayouts.check(part["layouts"]) if "layouts" in part else []
         # for the steps this process's DDP model takes on its first buckets (none once it took them)
-        self._saved_layouts.load(layouts, max(0, self._first_layout - self._steps_here))
+        self._resume.load(layouts, max(0, self._first_layout - self._steps_here))
+        self._this_step, self._last_step = [], []
         if self.model is None and not self._stepped:
             self._unchecked = part
         else:

@@ -11,8 +11,7 @@ import torch.distributed as dist
 
 from gcomp.bucket import BucketInfo
 from gcomp.collectives.launch import side_stream, then_on, timed
-from gcomp.core import ALLGATHER, Checkpointed, Communicator, Compressor, Keeps, Memory, Payload
-from gcomp.memory import LayoutState
+from gcomp.core import ALLGATHER, Checkpointed, Communicator, Compressor, Keeps, LayoutState, Memory, Payload
 from gcomp.sharding import ShardLayout
 
 

@@ -26,27 +26,19 @@ Piece = tuple[BucketInfo, list[tuple[int, int]]]
 
 
 class SavedLayouts:
-    """The bucket layouts of a hook state's last step, for its checkpoint; a loaded checkpoint's, for the first
-    steps of the resumed run (module docstring)."""
+    """A loaded checkpoint's bucket layouts (``loaded``), for the ``left`` first steps of the resumed run (module
+    docstring); the hook state keeps its own last step's."""
 
     def __init__(self):
-        self._step: list[BucketInfo] = []  # this step's layouts so far
-        self._last: list[BucketInfo] = []  # the last whole step's
-        self._loaded: list[tuple[int, tuple[str, ...]]] = []  # (bucket index, names) of a loaded checkpoint
-        self._left = 0  # steps the loaded layouts still apply to
+        self.loaded: list[tuple[int, tuple[str, ...]]] = []  # (bucket index, names) of a loaded checkpoint
+        self.left = 0  # steps the loaded layouts still apply to
 
-    def record(self, info: BucketInfo, last: bool) -> None:
-        """A bucket reduced with layout ``info``; ``last``: the step's last bucket."""
-        self._step.append(info)
-        if last:
-            self._last, self._step = self._step, []
-
-    def state(self) -> list[dict]:
-        """``[{"index": i, "names": [...]}, ...]``: the last step's layouts, or those a load left that no step
+    def state(self, last: list[BucketInfo]) -> list[dict]:
+        """``[{"index": i, "names": [...]}, ...]``: the ``last`` step's layouts, or those a load left that no step
         has replaced yet (a checkpoint saved right after a load holds what the loaded one did)."""
-        if self._last:
-            return [{"index": info.index, "names": list(info.names)} for info in self._last]
-        return [{"index": index, "names": list(names)} for index, names in self._loaded]
+        if last:
+            return [{"index": info.index, "names": list(info.names)} for info in last]
+        return [{"index": index, "names": list(names)} for index, names in self.loaded]
 
     @staticmethod
     def check(value) -> list[tuple[int, tuple[str, ...]]]:
@@ -71,20 +63,15 @@ class SavedLayouts:
 
     def load(self, layouts: list[tuple[int, tuple[str, ...]]], steps: int) -> None:
         """Apply ``layouts`` (``check``'s) to the next ``steps`` steps (those DDP takes on its first buckets)."""
-        self._loaded, self._left = layouts, steps
-        self._step, self._last = [], []
-
-    def step_taken(self) -> None:
-        """A step ended (its last bucket was handed to the method, or to the warm-up's all-reduce)."""
-        self._left = max(0, self._left - 1)
+        self.loaded, self.left = layouts, steps
 
     def pieces(self, bucket: BucketInfo) -> list[Piece] | None:
         """How a live bucket is reduced as saved layouts: None when it is reduced as it is (no loaded layouts
         apply, it is one of them, or it does not hold exactly the parameters of some of them)."""
-        if not self._left or not self._loaded:
+        if not self.left or not self.loaded:
             return None
         live = {name: (offset, numel) for name, offset, numel in bucket.segments()}
-        chosen = [(index, saved) for index, saved in self._loaded if live.keys() & set(saved)]
+        chosen = [(index, saved) for index, saved in self.loaded if live.keys() & set(saved)]
         if any(not live.keys() >= set(saved) for _, saved in chosen) or \
                 sum(len(saved) for _, saved in chosen) != len(live):
             return None  # not a union of saved layouts: DDP grouped it otherwise

@@ -16,7 +16,7 @@ import gcomp
 from gcomp.cli import main as cli
 from gcomp.pruning import StructuredADMM, prune
 from gcomp.bucket import BucketInfo
-from gcomp.memory import LayoutState as BucketState
+from gcomp.core import LayoutState as BucketState
 from gcomp.registry import from_spec
 from tests import bad_input_jobs as jobs
 from tests import load_check_jobs

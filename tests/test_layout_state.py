@@ -1,4 +1,4 @@
-"""``gcomp.memory.LayoutState``: state laid out like a bucket that follows its parameters through layout changes and
+"""``gcomp.core.LayoutState``: state laid out like a bucket that follows its parameters through layout changes and
 checkpoints, for every slot at once (ResidualMemory and a compressor's ``Traits.slots`` build on it)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gcomp import BucketInfo
-from gcomp.memory import LayoutState
+from gcomp.core import LayoutState
 
 A = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [3, 2])
 SPLIT = [BucketInfo.from_layout(0, torch.float32, ["b"], [2]), BucketInfo.from_layout(1, torch.float32, ["a"], [3])]

@@ -14,7 +14,6 @@ import gcomp
 import gcomp.registry
 from gcomp.collectives import AllreduceCommunicator
 from gcomp.compressors.identity import IdentityCompressor
-from gcomp.memory import NoMemory
 
 BUILTINS = ("bf16", "fp16", "identity", "topk")
 
@@ -275,7 +274,6 @@ from typing import Annotated
 import gcomp
 from gcomp.collectives import AllreduceCommunicator
 from gcomp.compressors.identity import IdentityCompressor
-from gcomp.memory import NoMemory
 
 
 def make(scale: Annotated[float, gcomp.Range(0, 1)] = 0.5) -> gcomp.Method:
@@ -287,7 +285,6 @@ SELF_REGISTERING_MODULE = '''
 import gcomp
 from gcomp.collectives import AllreduceCommunicator
 from gcomp.compressors.identity import IdentityCompressor
-from gcomp.memory import NoMemory
 
 
 @gcomp.register("{name}")

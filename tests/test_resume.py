@@ -92,9 +92,10 @@ def test_a_fresh_ddps_bucket_is_cut_into_the_saved_layouts_for_its_first_steps_o
     assert pieces[0][0].key == _bucket(0, ["c", "bb"]).key  # the saved run's state is found by its key
     assert saved.pieces(_bucket(0, ["c", "bb"])) is None  # the saved layout itself
     assert saved.pieces(_bucket(0, ["aaa", "c"])) is None  # grouped otherwise: as it is
-    saved.step_taken()
+    saved.left -= 1  # a step was taken (the hook state counts them)
     assert saved.pieces(first) is None  # DDP has rebuilt its buckets by now
-    assert saved.state() == [{"index": 0, "names": ["c", "bb"]}, {"index": 1, "names": ["aaa"]}]  # saved again
+    assert saved.state([]) == [{"index": 0, "names": ["c", "bb"]}, {"index": 1, "names": ["aaa"]}]  # saved again
+    assert saved.state([_bucket(2, ["z"])]) == [{"index": 2, "names": ["z"]}]  # a step taken since: its own
 
 
 def test_saved_layouts_are_checked_at_load():

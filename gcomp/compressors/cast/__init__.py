@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from gcomp.collectives import AllreduceCommunicator
-from gcomp.core import EXACT, Compressor, Payload, Traits, relative
-from gcomp.memory import NoMemory
+from gcomp.core import EXACT, Compressor, NoMemory, Payload, Traits, relative
 from gcomp.method import Method
 from gcomp.registry import register
 
