@@ -263,8 +263,11 @@ class Method(MethodUnit):
         self.compressor.load_state_dict(own)
 
     def _split(self, state: dict) -> tuple[dict, dict]:
-        """A compressor state as its own state and its slots."""
+        """A compressor state as its own state and its slots (gcomp 0.1's point-to-point codecs nested their
+        residuals under ``"memory"``: read as the slots)."""
         slots = self.traits.slots
+        if slots and not set(slots) & set(state) and isinstance(state.get("memory"), dict):
+            state = {**{k: v for k, v in state.items() if k != "memory"}, **state["memory"]}
         return {k: v for k, v in state.items() if k not in slots}, {k: v for k, v in state.items() if k in slots}
 
     @property
@@ -279,9 +282,11 @@ class Method(MethodUnit):
         slots: dict = {}
         for key, part in (("memory", self.memory), ("compressor", self.compressor)):
             try:
-                own = part.parameter_state(state[key])
                 if key == "compressor":
-                    own = {**own, **{s: state[key][s] for s in self.traits.slots}}
+                    mine, held = self._split(state[key])
+                    own = {**part.parameter_state(mine), **{s: held[s] for s in self.traits.slots}}
+                else:
+                    own = part.parameter_state(state[key])
             except KeyError as err:
                 raise ValueError(f"gcomp checkpoint: the {key} state of {self.name} ({type(part).__name__}) has no "
                                  f"{err.args[0]!r}") from err
