@@ -101,8 +101,8 @@ class Traits:
     - ``rows``: how it meets FSDP2's rows (one per destination shard): ``"each"`` row encoded on its own,
       ``"whole"`` (an entry-for-entry codec: its payload of the whole input, viewed as rows), ``"native"``
       (``encode`` takes the ``ShardLayout`` itself) or None (DDP only);
-    - ``wire_bytes(n, world)``: the bytes one rank hands to the collectives for a bucket of ``n`` fp32 entries,
-      None where the data decides;
+    - ``wire_bytes(bucket, world)``: the bytes one rank hands to the collectives for a bucket laid out as
+      ``bucket`` (a ``BucketInfo``: its entries, dtype and parameters), None where the data decides;
     - ``decodes_alone``: the result is the sum of each rank's payload decoded alone (False for a majority vote, a
       shared basis); ``depends_on_layout``: the result depends on where DDP lays each parameter in the bucket;
       ``reads_model``: it reads the model it is bound to (pruning masks); ``host_syncs``: host synchronisations
@@ -115,7 +115,7 @@ class Traits:
     slots: tuple[str, ...] = ()
     held: tuple[str, ...] = ()
     rows: str | None = "each"
-    wire_bytes: Callable[[int, int], int] | None = None
+    wire_bytes: Callable[[BucketInfo, int], int] | None = None
     decodes_alone: bool = True
     depends_on_layout: bool = False
     reads_model: bool = False
@@ -296,7 +296,8 @@ class LayoutState:
     def _adopt(self, bucket: BucketInfo, like: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors = {}
         for slot in self.slots:
-            flat = like.new_zeros(like.numel())
+            found = [self._pieces[slot][name] for name in bucket.names if name in self._pieces[slot]]
+            flat = like.new_zeros(like.numel(), dtype=found[0].dtype if found else like.dtype)  # a slot keeps its own
             for name, offset, numel in bucket.segments():
                 piece = self._pieces[slot].pop(name, None)
                 if piece is not None:
