@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 from bisect import bisect_right
-from itertools import accumulate
 from functools import lru_cache
+from itertools import accumulate
 
 import torch
 
 from gcomp.bucket import BucketInfo, expand, lengths_tensor, segment_reduce
 from gcomp.collectives import bitpack
-from gcomp.compressors.sign.wire import pack_signs, rows_by_name, segments, sum_decodes
+from gcomp.compressors.sign.wire import by_name, pack_signs, rows_by_name, sum_decodes
 from gcomp.core import ALLGATHER, Compressor, Payload, Traits, contraction
 
 
@@ -19,7 +19,7 @@ def byte_classes(layout: BucketInfo, n: int) -> tuple[tuple[int, ...], tuple[int
     j"; a byte holding a parameter boundary is a class of its own (entries past ``n`` take the last one's parameter).
     Returns the classes' parameters (8 per class, flat) and the classes of the bytes in runs: classes times 256, and
     the bytes each run holds."""
-    sizes = segments(layout, n)[0]
+    sizes = by_name(layout, n)[0]
     offsets = [0, *accumulate(sizes)]
     held = [j for j, k in enumerate(sizes) if k]  # an empty parameter owns no entry
     starts = [offsets[j] for j in held]
@@ -54,16 +54,16 @@ class OneBitCompressor(Compressor):
 
     def encode(self, x, state, layout):
         n, work, device = x.numel(), torch.promote_types(x.dtype, torch.float32), x.device
-        sizes, _, rows, back = segments(layout, n)
+        sizes, _, rows, place = by_name(layout, n)  # (``lengths_tensor`` keeps a layout's constants per device)
         y = rows_by_name(x, layout)
         sums = torch.stack([torch.clamp(y, max=0).sum(-1, dtype=work),  # NaN stays NaN: it lands in bit 0's side
                             torch.clamp(y, min=0).nansum(-1, dtype=work),  # (and is skipped in bit 1's)
                             torch.ge(y, 0).logical_not_().sum(-1, dtype=work)])
         per = segment_reduce(sums.to(torch.float64), rows, "sum", initial=0.0).index_select(
-            1, lengths_tensor(back, device))  # (3, parameters), bucket order
+            1, lengths_tensor(place, device))  # (3, parameters), bucket order
         counts = torch.stack([per[2], lengths_tensor(sizes, device) - per[2]]).clamp_(min=1)
-        classes, runs, bytes_ = byte_classes(layout, n)
-        base = None if len(classes) == 8 else expand(lengths_tensor(runs, device), bytes_, -(-n // 8)).int()
+        classes, runs, spans = byte_classes(layout, n)
+        base = None if len(classes) == 8 else expand(lengths_tensor(runs, device), spans, -(-n // 8)).int()
         ctx = (n, x.dtype, lengths_tensor(classes, device).view(-1, 8), base)
         return Payload([pack_signs(x), per[:2].div_(counts).to(torch.float32).reshape(-1)], ctx), state
 

@@ -25,21 +25,21 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=256)
-def segments(layout: BucketInfo, n: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def by_name(layout: BucketInfo, n: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """The sizes of ``layout``'s parameters in bucket order (one segment when it does not describe ``n`` entries),
     their indices in the order of their names, the rows of ``ROW`` each takes in that order, and each one's place in
     it."""
     parts = list(layout.segments()) if layout.numel == n and layout.numels else [("", 0, n)]
     order = tuple(sorted(range(len(parts)), key=lambda j: parts[j]))
-    sizes = tuple(k for _, _, k in parts)
-    return sizes, order, tuple(-(-sizes[j] // ROW) for j in order), tuple(sorted(range(len(order)), key=order.__getitem__))
+    sizes, place = tuple(k for _, _, k in parts), tuple(sorted(range(len(order)), key=order.__getitem__))
+    return sizes, order, tuple(-(-sizes[j] // ROW) for j in order), place
 
 
 def rows_by_name(x: torch.Tensor, layout: BucketInfo) -> torch.Tensor:
     """``x`` copied as ``(rows, ROW)``: each parameter from the start of a row, in the order of their names, its last
     row closed by zeros. The copy is the same whatever the layout, so a reduction over its rows, and any fixed-order
     sum of those, is bit for bit the same on every layout (a resumed run starts on DDP's first one)."""
-    sizes, order, rows, _ = segments(layout, x.numel())
+    sizes, order, rows, _ = by_name(layout, x.numel())
     pads = [r * ROW - sizes[j] for j, r in zip(order, rows)]
     pieces, zeros = x.reshape(-1).split(sizes), x.new_zeros(sum(pads)).split(pads)
     return torch.cat([t for j, pad in zip(order, zeros) for t in (pieces[j], pad)]).view(-1, ROW)
