@@ -18,7 +18,7 @@ from typing import Annotated
 from gcomp.collectives import AllgatherCommunicator
 from gcomp.compressors.sign.onebit import OneBitCompressor
 from gcomp.compressors.sign.scaled import AGGREGATES, ScaledSignCompressor, SignumCompressor
-from gcomp.memory import NoMemory, ResidualMemory
+from gcomp.core import NoMemory, ResidualMemory
 from gcomp.method import Method
 from gcomp.params import OneOf, Range
 from gcomp.registry import register

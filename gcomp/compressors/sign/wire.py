@@ -12,8 +12,8 @@ from gcomp.bucket import BucketInfo
 from gcomp.collectives import bitpack
 
 ROW = 1 << 12  # entries per partial sum of ``rows_by_name``
-# Ranks summed by one embedding_bag: its int32 index takes 4 bytes per rank per byte of sign bits, and their tables
-# (8 KiB per rank and class) at most TABLE_BUDGET bytes. More ranks go in groups, added up in turn.
+# Ranks summed by one embedding_bag: its index (and the kernel's own offset2bag) take 8 bytes per rank per byte of
+# sign bits, and their tables (8 KiB per rank and class) at most TABLE_BUDGET bytes. More go in turn.
 RANK_GROUP = 32
 TABLE_BUDGET = 1 << 25
 
