@@ -136,7 +136,7 @@ def test_a_payload_decodes_to_mean_magnitude_times_sign(n, dtype, seed):
     words, scale = payload.tensors
     assert scale.dtype == torch.float32 and scale.shape == (1,)
     # 1 bit per entry (padded to a word) and one fp32 scale
-    assert payload.nbytes == 8 * -(-n // 64) + 4 == comp.traits.wire_bytes(n, 2)
+    assert payload.nbytes == 8 * -(-n // 64) + 4 == comp.traits.wire_bytes(BucketInfo.single(x), 2)
     torch.testing.assert_close(scale.double(), x.double().abs().mean().reshape(1), rtol=1e-5, atol=0)
     out = alone(comp, x, BucketInfo.single(x))
     assert out.shape == x.shape and out.dtype == dtype

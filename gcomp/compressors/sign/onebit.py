@@ -48,9 +48,9 @@ class OneBitCompressor(Compressor):
     parameter is summed in the rows of ``rows_by_name``, the rows added in fp64 and rounded once: the means do not
     depend on where DDP put the parameter in the bucket."""
 
-    # the decode is the projection onto each parameter's two sides: |x - C(x)|^2 = |x|^2 - |C(x)|^2. The wire's
-    # size depends on the number of parameters, not on n alone
-    traits = Traits(ALLGATHER, contraction(0.0))
+    # the decode is the projection onto each parameter's two sides: |x - C(x)|^2 = |x|^2 - |C(x)|^2
+    traits = Traits(ALLGATHER, contraction(0.0),
+                    wire_bytes=lambda bucket, world: 8 * -(-bucket.numel // 64) + 8 * len(bucket.names))
 
     def encode(self, x, state, layout):
         n, work, device = x.numel(), torch.promote_types(x.dtype, torch.float32), x.device

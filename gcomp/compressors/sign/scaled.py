@@ -30,7 +30,7 @@ class ScaledSignCompressor(Compressor):
         self.aggregate = aggregate
         # |x - C(x)|^2 = |x|^2 - |x|_1^2 / n: no bound above 0 holds for every n
         self.traits = Traits(ALLGATHER, contraction(0.0), decodes_alone=aggregate == "mean",
-                             wire_bytes=lambda n, world: 8 * -(-n // 64) + 4)
+                             wire_bytes=lambda bucket, world: 8 * -(-bucket.numel // 64) + 4)
 
     def encode(self, x, state, layout):
         return Payload([pack_signs(x), mean_magnitude(x, layout)], ctx=(x.numel(), x.dtype)), state
