@@ -61,8 +61,7 @@ def test_levels_round_trip_and_the_gathered_decode_is_the_sum_of_decodes(sizes, 
     parts = torch.stack([decode_alone(comps[0], p).double() for p in payloads])
     eps = torch.finfo(dtype).eps
     assert ((total.double() - parts.sum(0)).abs() <= (world + 1) * eps * parts.abs().sum(0)).all()
-    if len(sizes) == 1:
-        assert comps[0].traits.wire_bytes(n, world) == payloads[0].nbytes
+    assert comps[0].traits.wire_bytes(info, world) == payloads[0].nbytes
 
 
 @pytest.mark.parametrize("levels", [1, 4, 127])

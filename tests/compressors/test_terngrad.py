@@ -104,7 +104,7 @@ def test_codes_round_trip_and_the_gathered_decode_is_the_sum_of_decodes(sizes, d
     eps = torch.finfo(dtype).eps
     assert total.dtype == dtype
     assert ((total.double() - parts.sum(0)).abs() <= (world + 1) * eps * parts.abs().sum(0)).all()
-    assert comps[0].traits.wire_bytes(n, world) == payloads[0].nbytes or segments > 1
+    assert comps[0].traits.wire_bytes(info, world) == payloads[0].nbytes
 
 
 def test_fp64_scale_is_rounded_up_to_fp32():
@@ -222,8 +222,7 @@ def test_integer_sum_decode_equals_the_sum_of_decoded_codes(sizes, world, dtype,
     comps, payloads, shared, lanes = _simulate(xs, info, clip)
     n, bits = sum(sizes), bitpack.lane_bits(world)
     assert payloads[0].nbytes == 4 * (len(sizes) + 1) + 8 * bitpack.packed_words(n, bits)
-    if len(sizes) == 1:
-        assert comps[0].traits.wire_bytes(n, world) == payloads[0].nbytes
+    assert comps[0].traits.wire_bytes(info, world) == payloads[0].nbytes
     scale = torch.cat([torch.full((k,), float(s)) for k, s in zip(sizes, shared[:-1])]).double()
     codes = torch.stack([bitpack.unpack(p.tensors[1], n, bits) - 1 for p in payloads])  # each rank's own t
     assert int(codes.abs().max()) <= 1

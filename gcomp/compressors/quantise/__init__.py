@@ -8,8 +8,7 @@ from gcomp.collectives import AllgatherCommunicator, ChainedAllreduceCommunicato
 from gcomp.compressors.quantise.norm_levels import MAX_LEVELS, QSGDCompressor, field_bits
 from gcomp.compressors.quantise.powers_of_two import NaturalCompressor
 from gcomp.compressors.quantise.ternary import SharedScaleTernGradCompressor, TernGradCompressor
-from gcomp.core import ALLGATHER, ALLREDUCE
-from gcomp.memory import NoMemory
+from gcomp.core import ALLGATHER, ALLREDUCE, NoMemory
 from gcomp.method import Method
 from gcomp.params import OneOf, Range
 from gcomp.registry import register

@@ -23,13 +23,14 @@ class QSGDCompressor(StochasticCompressor):
     ``E[l] = s |g| / r`` (rounded down or up at random), sent with the sign as ``sign(g) l + s`` in
     ``field_bits(s)``-bit fields of int64 words (8 bits for the default s = 127: the words' bytes). Decoded as
     ``r sign(g) l / s`` and summed over the ranks: unbiased. A non-finite entry makes its norm non-finite, and so
-    every entry of its parameter on every rank. ``wire_bytes``: a one-parameter bucket's."""
+    every entry of its parameter on every rank."""
 
     def __init__(self, levels: int = 127, seed: int = 0):
         super().__init__(seed, "qsgd")
         self.levels, self.bits = levels, field_bits(levels)
+        bits = self.bits
         self.traits = Traits(ALLGATHER, UNBIASED, Keeps.RANK, rows=None,
-                             wire_bytes=lambda n, world: 4 + 8 * bitpack.packed_words(n, self.bits))
+                             wire_bytes=lambda b, world: 4 * len(b.numels) + 8 * bitpack.packed_words(b.numel, bits))
 
     def encode(self, x, state, layout):
         v, lengths = work_values(x, layout)

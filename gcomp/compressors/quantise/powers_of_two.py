@@ -26,7 +26,7 @@ class NaturalCompressor(StochasticCompressor):
     def __init__(self, seed: int = 0):
         super().__init__(seed, "natural")
         self.traits = Traits(ALLGATHER, UNBIASED, Keeps.RANK, rows=None,
-                             wire_bytes=lambda n, world: n + 8 * bitpack.packed_words(n, 1))
+                             wire_bytes=lambda bucket, world: bucket.numel + 8 * bitpack.packed_words(bucket.numel, 1))
 
     def encode(self, x, state, layout):
         values = x.reshape(-1).to(torch.float32)

@@ -19,13 +19,13 @@ class TernGradCompressor(StochasticCompressor):
     ``P(t = sign g) = min(1, |g| / s)``, sent as ``t + 1`` in 2-bit fields (32 per int64 word): 2 bits per entry
     plus 32 per parameter. Decoded as ``s t`` and summed over the ranks: unbiased without clipping; clipping
     trades a bias on the outliers for a smaller scale. A non-finite entry makes its scale non-finite, and so every
-    entry of its parameter on every rank. ``wire_bytes``: a one-parameter bucket's."""
+    entry of its parameter on every rank."""
 
     def __init__(self, clip: float = 2.5, seed: int = 0):
         super().__init__(seed, "terngrad")
         self.clip = clip
         self.traits = Traits(ALLGATHER, UNBIASED, Keeps.RANK, rows=None,
-                             wire_bytes=lambda n, world: 4 + 8 * bitpack.packed_words(n, 2))
+                             wire_bytes=lambda b, world: 4 * len(b.numels) + 8 * bitpack.packed_words(b.numel, 2))
 
     def scales(self, v: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
         return wire_scale(segment_scales(v, lengths, self.clip))
@@ -54,12 +54,13 @@ class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):
     against that shared scale in ``bitpack.lane_bits(N)``-bit fields of int64 words (SUM: a field sums to at most
     2N, no carry crosses; 4 bits per entry on 4 ranks, 12 on 1024). Decoded as ``(field - N) * scale``. The flag is
     1 when a rank's scale is non-finite: MAX may drop a NaN, the flag makes every rank decode that bucket as NaN
-    all the same. ``wire_bytes``: a one-parameter bucket's."""
+    all the same."""
 
     def __init__(self, clip: float = 2.5, seed: int = 0):
         super().__init__(clip, seed)
         self.traits = replace(self.traits, collective=ALLREDUCE,
-                              wire_bytes=lambda n, world: 8 + 8 * bitpack.packed_words(n, bitpack.lane_bits(world)))
+                              wire_bytes=lambda b, world: 4 * len(b.numels) + 4
+                              + 8 * bitpack.packed_words(b.numel, bitpack.lane_bits(world)))
 
     def encode(self, x, state, layout):
         v, lengths = work_values(x, layout)
