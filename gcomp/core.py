@@ -58,7 +58,7 @@ class Fidelity:
       of ``|v_r|`` of any ``block`` consecutive entries holding it (``block=0``: the whole bucket): a wire dtype's
       rounding (fp16: ``2**-11``), block-scaled formats;
     - ``unbiased``: the mean of many draws is the exact mean within 6 standard deviations, except on at most a
-      share ``bound`` of the entries (clipped outliers: TernGrad);
+      share ``bound`` of the entries per rank (clipped outliers: TernGrad's clip at c std leaves ``1 / c**2``);
     - ``largest``: each rank's bucket reduced on that rank alone carries some entries of its input (within
       ``bound`` of them relatively: narrowed values) and zeros elsewhere, no entry left out larger in magnitude
       than one sent (top-k, thresholds);

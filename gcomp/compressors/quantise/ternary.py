@@ -8,7 +8,7 @@ import torch
 
 from gcomp.bucket import expand, segment_scales
 from gcomp.collectives import ChainedCompressor, bitpack
-from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, UNBIASED, Keeps, Payload, Traits
+from gcomp.core import ALLGATHER, ALLREDUCE, MAX, SUM, UNBIASED, Fidelity, Keeps, Payload, Traits
 from gcomp.compressors.quantise.rounding import (StochasticCompressor, pack_fields, scaled_sum, unpack_rows,
                                                  wire_scale, work_values)
 
@@ -24,7 +24,9 @@ class TernGradCompressor(StochasticCompressor):
     def __init__(self, clip: float = 2.5, seed: int = 0):
         super().__init__(seed, "terngrad")
         self.clip = clip
-        self.traits = Traits(ALLGATHER, UNBIASED, Keeps.RANK, rows=None,
+        # clipped at c std: at most 1 / c^2 of a parameter's entries are (Chebyshev), which are biased
+        fidelity = Fidelity("unbiased", min(1.0, 1 / clip ** 2)) if clip > 0 else UNBIASED
+        self.traits = Traits(ALLGATHER, fidelity, Keeps.RANK, rows=None,
                              wire_bytes=lambda b, world: 4 * len(b.numels) + 8 * bitpack.packed_words(b.numel, 2))
 
     def scales(self, v: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
@@ -58,7 +60,7 @@ class SharedScaleTernGradCompressor(TernGradCompressor, ChainedCompressor):
 
     def __init__(self, clip: float = 2.5, seed: int = 0):
         super().__init__(clip, seed)
-        self.traits = replace(self.traits, collective=ALLREDUCE,
+        self.traits = replace(self.traits, collective=ALLREDUCE, decodes_alone=False,  # lanes offset by the world
                               wire_bytes=lambda b, world: 4 * len(b.numels) + 4
                               + 8 * bitpack.packed_words(b.numel, bitpack.lane_bits(world)))
 
