@@ -9,7 +9,7 @@ from gcomp.bucket import expand
 from gcomp.collectives import bitpack
 from gcomp.core import Compressor
 from gcomp.randomness import Stream
-from gcomp.state_checks import check_state, generator_state
+from gcomp.state_checks import check_state
 
 
 def rank_and_world(group) -> tuple[int, int]:
@@ -100,11 +100,7 @@ class StochasticCompressor(Compressor):
 
     def load_state_dict(self, state: dict) -> None:
         check_state(self, state, {"generator": (dict, torch.Tensor)})
-        saved = state["generator"]
-        if isinstance(saved, torch.Tensor) or "seed" not in saved:
-            for device, value in ({"cpu": saved} if isinstance(saved, torch.Tensor) else saved).items():
-                generator_state(self.stream.tag, device, value)
-        self.stream.load_state_dict(saved)
+        self.stream.load_state_dict(state["generator"])
 
     def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
         return {"generator": {}}
