@@ -3,6 +3,7 @@ fp32, fp64 for an fp64 bucket), with error feedback. The formats: ``formats`` an
 ``gcomp.collectives.two_phase``."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -75,6 +76,8 @@ class BlockScaledCompressor(TwoPhaseCompressor):
         self.fmt, self.rounding, self.error_feedback = fmt, rounding, error_feedback
         self.stream = Stream(seed, f"block-scaled {fmt_name}")
         self.world, self.rank = 1, 0
+        # the owner errors it handed back, by id: zero outside this rank's chunk
+        self._placed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         slots = ("owner_error",) if error_feedback else ()
         self.traits = Traits(ALLGATHER, relative(_bound(fmt, rounding), fmt.block), Keeps.SHARED, slots=slots,
                              held=slots, rows="native",
@@ -108,11 +111,13 @@ class BlockScaledCompressor(TwoPhaseCompressor):
         if self.error_feedback:
             owner = state["owner_error"].to(wide)
             ctx.owner, ctx.low, ctx.high = owner, self.rank * width, min(numel, (self.rank + 1) * width)
-            ctx.stray = owner.clone()
-            ctx.stray[ctx.low:ctx.high] = 0
-            owner[:ctx.low] = 0
-            owner[ctx.high:] = 0
-            v = v + ctx.stray
+            if self._placed.get(id(owner)) is not owner:  # a layout taken up (DDP's rebuild, a load, a resize)
+                ctx.stray = owner.clone()
+                ctx.stray[ctx.low:ctx.high] = 0
+                owner[:ctx.low] = 0
+                owner[ctx.high:] = 0
+                v = v + ctx.stray
+                self._placed[id(owner)] = owner
             state = {"owner_error": owner}
         tensors, decoded = self._encode(F.pad(v.float(), (0, self.world * width - numel)).view(self.world, width),
                                         self.error_feedback)
@@ -120,7 +125,7 @@ class BlockScaledCompressor(TwoPhaseCompressor):
         return Payload(tensors, ctx, residual=residual), state
 
     def _sum(self, received, ctx: _Ctx) -> torch.Tensor:
-        """The sum, in rank order, of the ``(N, ...)`` chunks received, decoded."""
+        """The sum of the ``(N, ...)`` chunks received, decoded."""
         return self.fmt.decode(received, ctx.width).to(torch.promote_types(torch.float32, ctx.dtype)).sum(0)
 
     def second_phase(self, received, ctx: _Ctx) -> list[torch.Tensor]:
