@@ -72,7 +72,7 @@ def _two_phases(spec: str, numel: int, steps: int) -> dict:
     held, again = (method.flush(bucket, results[-1]) for _ in range(2))  # the owner error and the residual, once
     return {"results": torch.stack(results), "reference": torch.stack(reference), "stats": stats,
             "wire_bytes": compressor.fmt.wire_bytes(width), "width": width, "held": held, "again": again,
-            "declared": compressor.traits.wire_bytes(numel, world)}
+            "declared": compressor.traits.wire_bytes(bucket, world)}
 
 
 def job_conservation(specs: list[str], steps: int) -> dict:

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from gcomp.collectives.two_phase import TwoPhaseCommunicator, TwoPhaseCompressor
 from gcomp.compressors.blockfloat.formats import BlockFormat, block_format
 from gcomp.compressors.blockfloat.minifloat import ROUNDINGS
-from gcomp.core import ALLGATHER, Keeps, Payload, Traits, relative
-from gcomp.memory import NoMemory, ResidualMemory
+from gcomp.core import ALLGATHER, Keeps, NoMemory, Payload, ResidualMemory, Traits, relative
 from gcomp.method import Method
 from gcomp.params import OneOf, Range
 from gcomp.randomness import Stream
@@ -81,7 +80,7 @@ class BlockScaledCompressor(TwoPhaseCompressor):
         slots = ("owner_error",) if error_feedback else ()
         self.traits = Traits(ALLGATHER, relative(_bound(fmt, rounding), fmt.block), Keeps.SHARED, slots=slots,
                              held=slots, rows="native",
-                             wire_bytes=lambda n, world: (world + 1) * fmt.wire_bytes(self.width(n, world)),
+                             wire_bytes=lambda b, world: (world + 1) * fmt.wire_bytes(self.width(b.numel, world)),
                              decodes_alone=False,  # the owners' re-encoded sums, not the sum of what ranks sent
                              depends_on_layout=True)  # blocks span neighbouring parameters
 
@@ -161,30 +160,9 @@ class BlockScaledCompressor(TwoPhaseCompressor):
         self.stream.load_state_dict(state["stream"])
 
 
-class _TwoPhaseMethod(Method):
-    """``Method`` that also reads gcomp 0.1's states, whose owner error lay under ``"owner"``."""
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(_flat(state))
-
-    def parameter_state(self, state: dict) -> dict:
-        return super().parameter_state(_flat(state))
-
-    def merge_states(self, assigned: list[dict], every: list[dict], rank: int) -> dict:
-        return super().merge_states([_flat(s) for s in assigned], [_flat(s) for s in every], rank)
-
-
-def _flat(state):
-    """A method state with gcomp 0.1's ``{"owner": {"owner_error": ...}}`` as the slot (the same dicts inside)."""
-    own = state.get("compressor") if isinstance(state, dict) else None
-    if not isinstance(own, dict) or not isinstance(own.get("owner"), dict):
-        return state
-    return {**state, "compressor": {**{k: v for k, v in own.items() if k != "owner"}, **own["owner"]}}
-
-
 def _method(fmt_name: str, fmt: BlockFormat, rounding: str, error_feedback: bool) -> Method:
-    return _TwoPhaseMethod(BlockScaledCompressor(fmt_name, fmt, rounding, error_feedback),
-                           ResidualMemory() if error_feedback else NoMemory(), TwoPhaseCommunicator())
+    return Method(BlockScaledCompressor(fmt_name, fmt, rounding, error_feedback),
+                  ResidualMemory() if error_feedback else NoMemory(), TwoPhaseCommunicator())
 
 
 @register("fp8", paper="Micikevicius et al. 2022 (FP8 formats for deep learning, arXiv 2209.05433)",

@@ -10,8 +10,7 @@ from typing import Annotated
 import torch
 
 from gcomp.collectives.reduce import ChainedAllreduceCommunicator, ChainedCompressor
-from gcomp.core import Keeps, Payload, Traits, contraction
-from gcomp.memory import NoMemory
+from gcomp.core import Keeps, NoMemory, Payload, Traits, contraction
 from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.randomness import Stream, stream_seed
