@@ -2,28 +2,41 @@
 from __future__ import annotations
 
 import difflib
-from typing import Sequence
+from typing import Any, Sequence
 
-from gcomp.core import ALLGATHER, ALLREDUCE, Compressor
-from gcomp.method import Method
-from gcomp.registry import UnknownMethodError, available, create, parse_spec
+from gcomp.core import ALLGATHER, ALLREDUCE
+from gcomp.method import MethodUnit
+from gcomp.registry import Nested, UnknownMethodError, available, from_spec
 
 EXACT = ("identity",)  # pactrain joins them on a pruned model: its packed sum is the dense one's, losslessly
 HALF = ("fp16", "bf16")
 PRESETS = ("exact", "half")
-# the collectives whose cost the choice can price from a bucket's counted calls and bytes alone
-PRICED = (ALLREDUCE, ALLGATHER)
+PRICED = (ALLREDUCE, ALLGATHER)  # the collectives the choice prices from a bucket's counted calls and bytes alone
+SEPARATOR = "|"  # between the specs of a list given as one string (``auto:allow=identity|fp16``)
+
+
+class AllowList:
+    """``allow``'s values: ``"exact"``, ``"half"``, or method specs, as a list or one string joined by ``|``;
+    held as text (a preset's name, or the canonical specs joined by ``|``), so it prints and checkpoints."""
+
+    def __str__(self) -> str:
+        return f"'exact', 'half', or a list of method specs (in a string: joined by '{SEPARATOR}')"
+
+    def convert(self, method: str, param: str, value: Any) -> str:
+        if isinstance(value, str) and value.strip() in PRESETS:  # spaces dropped, as around a list's entries
+            return value.strip()
+        listed = value.split(SEPARATOR) if isinstance(value, str) else value
+        if not isinstance(listed, (list, tuple)) or not all(isinstance(v, str) for v in listed):
+            raise ValueError(f"{method}: parameter '{param}' must be {self}; got {listed!r}")
+        specs = allowed_methods(list(listed), pruned=True, given=value)  # the checks and messages of every entry
+        return SEPARATOR.join(Nested().convert(method, param, spec) for spec in specs)
 
 
 def allowed_methods(allow: str | Sequence[str], pruned: bool, given: object = None) -> list[str]:
-    """The specs ``auto`` chooses among, in the order ties are broken: ``"exact"`` (``identity``, and
-    ``pactrain`` when ``pruned``: both equal a dense all-reduce up to summation order), ``"half"`` (those and
-    ``fp16``, ``bf16``), or ``allow`` itself, a list of method specs (each stripped of surrounding spaces),
-    each checked here as ``gcomp.create`` checks it (an unknown name names the closest presets and methods).
-    Raises ``ValueError`` for anything else: a preset misspelt or inside a list, an empty entry or list, a
-    spec twice, ``auto`` itself, a method whose collective the choice cannot price (point-to-point schedules,
-    hierarchical ones), or one whose codec holds back gradient it cannot hand over at a switch
-    (``Compressor.flush``). ``given``: ``allow`` as the user wrote it (a string joined by ``|``), for messages."""
+    """The specs ``auto`` chooses among, in tie-breaking order: a preset (``"exact"``: ``identity``, and ``pactrain``
+    when ``pruned``, both equal to a dense all-reduce up to summation order; ``"half"`` adds ``fp16``, ``bf16``) or
+    ``allow``'s specs, each stripped and checked as ``gcomp.create`` checks it, and refused if the choice cannot
+    price its collective or it cannot hand over at a switch what it holds back. ``given``: ``allow`` as written."""
     if isinstance(allow, str):
         if allow not in PRESETS:
             raise ValueError(f"auto: allow must be one of {', '.join(map(repr, PRESETS))} or a list of method "
@@ -34,51 +47,40 @@ def allowed_methods(allow: str | Sequence[str], pruned: bool, given: object = No
     specs = [str(s).strip() for s in allow]
     if not specs:
         raise ValueError("auto: allow lists no method")
-    for i, text in enumerate(specs, 1):
-        _check_entry(i, text, given)
+    for number, text in enumerate(specs, 1):
+        name = text.partition(":")[0].strip()
+        if not text:
+            raise ValueError(f"auto: allow entry {number} of {given!r} is empty; list method specs, in a string "
+                             f"joined by '|' (identity|fp16)")
+        if name == "auto":
+            raise ValueError("auto: allow cannot list auto itself")
+        if name in PRESETS:
+            held = ", ".join(EXACT + (HALF if name == "half" else ()))
+            raise ValueError(f"auto: allow entry {text!r} is a preset, which stands alone (allow={name!r}); a list "
+                             f"names methods only ({name!r} is {held}, with pactrain on a pruned model)")
+        if name not in available():
+            methods = ", ".join(n for n in available() if n != "auto")
+            raise UnknownMethodError(f"auto: allow entry {text!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                                     f"registered method ({methods}){_closest(name)}")
     if len(set(specs)) != len(specs):
         raise ValueError(f"auto: allow lists a method twice: {specs}")
     for text in specs:
         try:
-            name, params = parse_spec(text)
-            method = create(name, **params)
+            method = from_spec(text)
         except ValueError as err:
             raise ValueError(f"auto: allow entry {text!r}: {err}") from None
         if method.collective not in PRICED:
             raise ValueError(f"auto: allow entry {text!r} runs the {method.collective!r} collective, "
                              f"which auto cannot price yet; it chooses among {' and '.join(PRICED)} methods")
-        codec = method.compressor if isinstance(method, Method) else None
-        if codec is not None and codec.holds_gradient and type(codec).flush is Compressor.flush:
+        if method.error_feedback and type(method).flush is MethodUnit.flush:
             raise ValueError(f"auto: allow entry {text!r} keeps gradient it did not send inside its codec and cannot "
                              "hand it to another method at a switch; leave its error feedback off")
     return specs
 
 
-def _check_entry(number: int, text: str, given: object) -> None:
-    """A ValueError for an entry of a list that is empty, a preset, ``auto`` or no registered method's name."""
-    if not text:
-        raise ValueError(f"auto: allow entry {number} of {given!r} is empty; list method specs, in a string "
-                         f"joined by '|' (identity|fp16)")
-    name = text.partition(":")[0].strip()
-    if name == "auto":
-        raise ValueError("auto: allow cannot list auto itself")
-    if name in PRESETS:
-        held = ", ".join(EXACT + (HALF if name == "half" else ()))
-        raise ValueError(f"auto: allow entry {text!r} is a preset, which stands alone (allow={name!r}); a list "
-                         f"names methods only ({name!r} is {held}, with pactrain on a pruned model)")
-    if name not in available():
-        raise UnknownMethodError(f"auto: allow entry {text!r} is neither a preset ({', '.join(PRESETS)}) nor a "
-                                 f"registered method ({', '.join(_methods())}){_closest(name)}")
-
-
-def _methods() -> list[str]:
-    return [n for n in available() if n != "auto"]
-
-
 def _closest(name: str) -> str:
     """"; did you mean ...?" with the presets and methods closest to ``name`` (one differing in case first)."""
-    presets = {p: f"the preset {p!r}" for p in PRESETS}
-    candidates = {**presets, **{m: repr(m) for m in _methods()}}
+    candidates = {**{p: f"the preset {p!r}" for p in PRESETS}, **{m: repr(m) for m in available() if m != "auto"}}
     same = [c for c in candidates if c.lower() == name.strip().lower()]
     if same:
         return f"; did you mean {candidates[same[0]]}? Names are case-sensitive"
