@@ -14,15 +14,12 @@ from gcomp.bucket import BucketInfo
 from gcomp.link import PROBE_SMALL_BYTES, Launched, Network, launched_s, link_from_timings, timed_allreduce_s
 from gcomp.pruning.masks import comm_device
 
-# the large probe: the largest bucket, within these bounds (at 100 Mbit/s on 4 ranks 512 KiB takes about 63 ms, so
-# the bytes still dominate its time at 1 Gbit/s while a probe costs a few steps' worth on slow links)
+# the large probe, the largest bucket within: bytes still dominate at 1 Gbit/s, 63 ms at 100 Mbit/s on 4 ranks
 PROBE_LARGE_BYTES = (128 * 1024, 512 * 1024)
-PROBE_REPEATS = (2, 1)  # small, large: the fastest of this many (no warm-up: training already opened the links)
 
 
 def launch_max(values: list[float], group, device: torch.device) -> Callable[[], list[float]]:
-    """The element-wise MAX of ``values`` over ``group``, launched: a function that waits for it. Every rank then
-    decides from the same numbers, the slowest rank's."""
+    """The element-wise MAX of ``values`` over ``group`` (every rank decides from the slowest's), launched."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     work = dist.all_reduce(tensor, dist.ReduceOp.MAX, group=group, async_op=True)
 
@@ -34,57 +31,45 @@ def launch_max(values: list[float], group, device: torch.device) -> Callable[[],
 
 
 def probe_network(group, device: torch.device, bucket_bytes: int = 0) -> Network:
-    """The link: timed all-reduces of 1 KiB and of the largest bucket's bytes (within ``PROBE_LARGE_BYTES``),
-    alpha and beta as ``gcomp.link.link_from_timings`` derives them, the slowest rank's."""
+    """The link from timed all-reduces of 1 KiB (the fastest of 2) and of the largest bucket (once), the slowest
+    rank's; no warm-up: training already opened the links."""
     large = min(max(int(bucket_bytes), PROBE_LARGE_BYTES[0]), PROBE_LARGE_BYTES[1])
-    small_s = timed_allreduce_s(PROBE_SMALL_BYTES, PROBE_REPEATS[0], group, device, warmup=False)
-    large_s = timed_allreduce_s(large, PROBE_REPEATS[1], group, device, warmup=False)
+    small_s = timed_allreduce_s(PROBE_SMALL_BYTES, 2, group, device, warmup=False)
+    large_s = timed_allreduce_s(large, 1, group, device, warmup=False)
     link = link_from_timings(small_s, large_s, dist.get_world_size(group), PROBE_SMALL_BYTES, large)
     return link_network(*launch_max([link["alpha_s"] or 0.0, link["beta_s"] or 0.0], group, device)())
 
 
 class AutoChooser:
-    """What one ``auto`` measured and chose over the candidates ``specs``: ``active``, the indices it may choose
-    (pactrain leaves a preset on an unpruned model); ``clock``, the time source; ``events``, each probe (the step,
-    by the state's count, and the link), each choice (every candidate's predicted seconds) and each switch. Its own
-    collectives, their seconds in ``auto_agree_s``: one MAX all-reduce of the measurements (a few floats per layout
-    and candidate) and the link probe when it decides, one of a float every ``probe_every`` steps, the probe again
-    when the waits drift."""
+    """What one ``auto`` measured and chose among ``specs`` (``active``: those it may choose). Its own collectives
+    (``auto_agree_s``): MAX all-reduces of the measurements and of a drift every ``probe_every`` steps, the probe."""
 
     def __init__(self, specs: list[str], probe_every: int, trials: int, margin: float, reprobe_above: float):
-        self.specs = specs
+        self.specs, self.active, self.workers, self.clock = specs, list(range(len(specs))), 1, time.perf_counter
         self.probe_every, self.trials, self.margin, self.reprobe_above = probe_every, trials, margin, reprobe_above
-        self.active = list(range(len(specs)))
-        self.workers = 1
-        self.clock = time.perf_counter
         self.events: list[dict] = []  # kept across restarts: what happened when
         self.restart()
 
-    def restart(self) -> None:
-        """Forget every measurement and decision: explore again from the next step."""
+    def restart(self) -> None:  # forget every measurement and decision: explore again from the next step
         self.records: dict[str, LayoutRecord] = {}
         self.step, self.explore_from, self.checked_at = -1, 0, 0
         self.decided = self.check_due = self._restart = False
-        self.baseline: float | None = None
-        self.network: Network | None = None
-        self._pending: Callable[[], list[float]] | None = None  # the last check's agreement, read at the next step
+        self.baseline = self.network = self._pending = None  # _pending: the last check's agreement, read a step later
         self.last_index = -1  # the step's last bucket, once decided
         # while measuring, each candidate's whole steps: from one step's first bucket to the next one's
         self.intervals: list[list[float]] = [[] for _ in self.specs]
         self._step_began: tuple[float, int] | None = None  # when this step's first bucket came, and its candidate
 
     def record(self, bucket: BucketInfo) -> LayoutRecord:
-        record = self.records.get(bucket.key)
-        if record is None:
-            record = self.records[bucket.key] = LayoutRecord(bucket, len(self.specs))
+        if bucket.key not in self.records:
+            self.records[bucket.key] = LayoutRecord(bucket, len(self.specs))
             self._restart |= self.decided  # a layout never measured (DDP rebuilt its buckets): measure them all again
-        return record
+        return self.records[bucket.key]
 
     def candidate_for(self, record: LayoutRecord | None) -> int:
         if self.decided and record is not None and record.chosen is not None:
             return record.chosen
-        explored = max(self.step - self.explore_from, 0) // self.trials
-        return self.active[min(explored, len(self.active) - 1)]
+        return self.active[min(max(self.step - self.explore_from, 0) // self.trials, len(self.active) - 1)]
 
     def step_started(self, group, device: torch.device, stats: dict) -> None:
         self.step += 1
@@ -135,9 +120,8 @@ class AutoChooser:
             costs = self.records[key].costs
             for i in self.active:
                 launched = Launched(self.workers, buckets=1, **dict(zip(COUNTS, row[i][2:])))
-                # What the step took beyond this candidate's buckets (the same compute for every candidate, and
-                # what the buckets' walls miss: peers late on shared cores, DDP's copies), shared over the layouts;
-                # with the wait beyond the collectives' price on this link, it is priced alike on the next link.
+                # the step beyond this candidate's buckets (what their walls miss: peers late on shared cores, DDP's
+                # copies) shared over the layouts, and the wait beyond the price here: priced alike on another link
                 rest_s = (intervals[i] - walls[i]) / len(keys) if intervals[i] > 0 else 0.0
                 overhead_s = max(row[i][1] - launched_s(launched, self.workers, self.network) + rest_s, 0.0)
                 costs[i] = BucketCost(row[i][0], launched, overhead_s)
@@ -172,15 +156,13 @@ class AutoChooser:
         self.checked_at = self.step
 
     def after_bucket(self, bucket: BucketInfo, group, device: torch.device, stats: dict) -> None:
-        """A check due runs after the step's last bucket launched its collectives: beside the optimizer and the next
-        forward, not ahead of a bucket."""
+        """A check due runs after the step's last bucket: beside the optimizer and the next forward."""
         if self.check_due and bucket.index == self.last_index:
             self.check_due = False
             self._timed(self._check, group, device, stats)
 
     def _check(self, group, device, stats: dict) -> None:
-        """Launch the agreement on the chosen methods' waits (their median since the last check) over their priced
-        collectives; ``_read_check`` acts on it at the next step."""
+        """Launch the agreement on the chosen methods' waits (medians since the last check) over their price."""
         measured = predicted = 0.0
         for record in self.records.values():
             if record.waits and record.chosen is not None:
@@ -192,10 +174,8 @@ class AutoChooser:
         self.checked_at = self.step
 
     def _read_check(self, group, device, stats: dict) -> None:
-        """The first ratio after a probe is the baseline; one off it by more than ``1 + reprobe_above`` times probes
-        again and re-chooses every layout."""
-        ratio = self._pending()[0]
-        self._pending = None
+        """The first ratio after a probe is the baseline; one off it by more than ``1 + reprobe_above`` times: probe."""
+        ratio, self._pending = self._pending()[0], None
         if self.baseline is None:
             self.baseline = ratio
         elif not self.baseline / (1 + self.reprobe_above) <= ratio <= self.baseline * (1 + self.reprobe_above):

@@ -10,7 +10,7 @@ from typing import Annotated
 import torch
 import torch.distributed as dist
 
-from gcomp.auto.allow import PRESETS, SEPARATOR, AllowList, allowed_methods
+from gcomp.auto.choice import PRESETS, SEPARATOR, AllowList, allowed_methods
 from gcomp.auto.chooser import AutoChooser
 from gcomp.collectives.launch import launched, then_on, when_done
 from gcomp.core import HIERARCHICAL
@@ -27,11 +27,9 @@ AUTO_KEYS = ("auto_explore_steps", "auto_probes", "auto_switches", "auto_agree_s
 
 
 class HierarchicalMethod(Composite):
-    """On the wire, per bucket: a SUM all-reduce of the whole bucket on the node's group ``intra`` (waited for); on
-    each node's leader, the ``inner`` method's own ``reduce`` on the leaders' group ``inter`` (waited for: its
-    seconds count in ``encode_s`` and ``decode_s``, its bytes in ``bytes_sent`` and apart in ``inter_bytes``,
-    beside ``inter_bytes_dense``, what a dense all-reduce would have sent there); then an asynchronous broadcast
-    from the leader on ``intra``. Followers send nothing across nodes. ``label``: its name in messages (prunex)."""
+    """On the wire, per bucket: a SUM all-reduce of the whole bucket on the node's group ``intra``; on its leader, the
+    ``inner`` method's own ``reduce`` on the leaders' group ``inter`` (both waited for; ``inter_bytes`` beside a dense
+    all-reduce's ``inter_bytes_dense``); then an asynchronous broadcast from the leader on ``intra``."""
 
     collective = HIERARCHICAL
     decodes_alone = False  # the inner method sees node sums, not each rank's payload
@@ -41,9 +39,7 @@ class HierarchicalMethod(Composite):
         self.name, self.params = label, {}
         self.intra = self.inter = None  # set by bind: this rank's node, the leaders (None on a follower)
 
-    @property
-    def parts(self) -> list[MethodUnit]:
-        return [self.inner]
+    parts = property(lambda self: [self.inner])
 
     @property
     def stat_keys(self) -> tuple[str, ...]:
@@ -79,9 +75,7 @@ class HierarchicalMethod(Composite):
         clone.__dict__.update({k: copy.deepcopy(v, memo) for k, v in vars(self).items() if k not in ("intra", "inter")})
         return clone
 
-    # checkpoints: the inner method's state, as it is
-
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict:  # the inner method's, as it is
         return self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
@@ -98,10 +92,7 @@ class HierarchicalMethod(Composite):
 
 
 class TeeStats(dict):
-    """One bucket's counters, from zero for ``parent``'s keys; every ``stats[key] = value`` also adds the change to
-    ``parent[key]``: the hook's totals count as usual, and the bucket's own are read whole once it is done."""
-
-    __slots__ = ("parent",)
+    """One bucket's counters from zero; every change is added to ``parent``'s too, so the hook's totals still count."""
 
     def __init__(self, parent: dict):
         super().__init__({key: value * 0 for key, value in parent.items()})
@@ -115,9 +106,8 @@ class TeeStats(dict):
 
 
 class AutoMethod(Composite):
-    """Each bucket goes through one candidate's own ``reduce`` (``methods``, from ``specs``): the bytes on the wire
-    and the collective are that method's; beside them, ``auto``'s own (``AutoChooser``). ``choices()``: the method
-    chosen per bucket layout; ``events``: each probe, choice and switch."""
+    """Each bucket goes through one candidate's own ``reduce``: the bytes on the wire and the collective are that
+    method's; beside them, ``auto``'s own (``AutoChooser``). ``choices()``: the method per bucket layout."""
 
     stateful = True  # measures on DDP's final buckets
 
@@ -129,9 +119,7 @@ class AutoMethod(Composite):
         self.choices, self.events = self.chooser.choices, self.chooser.events
         self.name, self.params, self.pruned_here, self._flag_sizes = "auto", {}, False, []
 
-    @property
-    def parts(self) -> list[MethodUnit]:
-        return self.methods
+    parts = property(lambda self: self.methods)
 
     @property
     def stat_keys(self) -> tuple[str, ...]:
@@ -193,9 +181,7 @@ class AutoMethod(Composite):
         record = self.chooser.records.get(bucket.key)
         return None if record is None or record.last is None else self.methods[record.last].flush(bucket, like)
 
-    # checkpoints: every candidate's state, by its spec; a resumed run measures again
-
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict:  # every candidate's, by its spec; a resumed run measures again
         return {"candidates": {spec: m.state_dict() for spec, m in zip(self.specs, self.methods)}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -246,6 +232,6 @@ def auto(
     """The method chosen per bucket from the link and the codecs it measures, and changed when the link
     changes: every allowed method runs a few steps, timed, the link is probed, and each bucket takes the one
     predicted fastest; the waits are watched and the link probed again when they drift."""
-    preset = allow in PRESETS
-    specs = allowed_methods(allow if preset else allow.split(SEPARATOR), pruned=True)
+    preset = allow in PRESETS  # a list was checked as the parameter was
+    specs = allowed_methods(allow, pruned=True) if preset else allow.split(SEPARATOR)
     return AutoMethod(specs, preset, probe_every, trials, margin, reprobe_above)
