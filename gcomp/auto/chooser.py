@@ -14,7 +14,7 @@ from gcomp.bucket import BucketInfo
 from gcomp.link import PROBE_SMALL_BYTES, Launched, Network, launched_s, link_from_timings, timed_allreduce_s
 from gcomp.pruning.masks import comm_device
 
-# the large probe, the largest bucket within: bytes still dominate at 1 Gbit/s, 63 ms at 100 Mbit/s on 4 ranks
+# the large probe: the largest bucket within these bounds (bytes dominate at 1 Gbit/s; 63 ms at 100 Mbit/s, 4 ranks)
 PROBE_LARGE_BYTES = (128 * 1024, 512 * 1024)
 
 
@@ -41,8 +41,7 @@ def probe_network(group, device: torch.device, bucket_bytes: int = 0) -> Network
 
 
 class AutoChooser:
-    """What one ``auto`` measured and chose among ``specs`` (``active``: those it may choose). Its own collectives
-    (``auto_agree_s``): MAX all-reduces of the measurements and of a drift every ``probe_every`` steps, the probe."""
+    """What one ``auto`` measured and chose among ``specs`` (``active``: those it may choose) and its collectives."""
 
     def __init__(self, specs: list[str], probe_every: int, trials: int, margin: float, reprobe_above: float):
         self.specs, self.active, self.workers, self.clock = specs, list(range(len(specs))), 1, time.perf_counter

@@ -107,7 +107,8 @@ class TeeStats(dict):
 
 class AutoMethod(Composite):
     """Each bucket goes through one candidate's own ``reduce``: the bytes on the wire and the collective are that
-    method's; beside them, ``auto``'s own (``AutoChooser``). ``choices()``: the method per bucket layout."""
+    method's. Beside them, ``auto``'s own (``AutoChooser``): a MAX all-reduce of the measurements when it decides,
+    of one float every ``probe_every`` steps, and the link probe (timed all-reduces)."""
 
     stateful = True  # measures on DDP's final buckets
 
