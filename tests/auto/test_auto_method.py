@@ -77,16 +77,16 @@ def test_a_method_holding_back_gradient_it_cannot_flush_is_refused(hand_built_me
             gcomp.create("auto", allow=["identity", "test-hoarder"])
     finally:
         gcomp.registry._REGISTRY.pop("test-hoarder")
-    assert gcomp.create("auto", allow="identity|test-evens|test-late").specs[1:] == ["test-evens", "test-late"]
+    assert gcomp.create("auto", allow="identity|test-strided|test-late").specs[1:] == ["test-strided", "test-late"]
 
 
 def _reduced(method, grad: torch.Tensor, info: BucketInfo) -> torch.Tensor:
     return method.reduce(grad.clone(), info, None, {"bytes_sent": 0}).wait()
 
 
-@pytest.mark.parametrize("spec", ["test-evens", "test-late"])
+@pytest.mark.parametrize("spec", ["test-strided", "test-late"])
 def test_a_method_hands_what_it_held_back_over_once(hand_built_methods, group, spec):
-    """A residual memory's gradient (``test-evens``) and a held slot's (``test-late``): what was sent plus what is
+    """A residual memory's gradient (``test-strided``) and a held slot's (``test-late``): what was sent plus what is
     flushed is what was given, and the next flush holds nothing."""
     method = gcomp.create(spec)
     info = BucketInfo.single(torch.zeros(50))
