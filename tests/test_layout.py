@@ -1,7 +1,7 @@
 """The house's rules that no other test sees: the floors of the package, and docs that live in the project.
 
-- ``gcomp.pruning`` (making masks) is the ground floor: it imports nothing from ``gcomp.packing`` (reducing a
-  masked bucket), nor from the hook, the methods or the collectives;
+- ``gcomp.pruning`` (making masks) is the ground floor: it imports nothing from pactrain (reducing a masked
+  bucket), nor from the hook, the methods or the collectives;
 - the benchmark is the top floor: only ``gcomp/bench/`` and ``gcomp/cli.py`` import ``gcomp.bench``, and
   ``import gcomp`` loads none of it;
 - ``gcomp.link`` (the link model ``auto`` and the benchmark share) imports nothing from the floors above it;
@@ -26,8 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TEXT_FILES = sorted([*ROOT.glob("gcomp/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("examples/*.py"),
                      *ROOT.glob("docs/*.md"), ROOT / "README.md"])
-ABOVE_PRUNING = ("gcomp.packing", "gcomp.compressors", "gcomp.collectives", "gcomp.hook", "gcomp.bench",
-                 "gcomp.registry", "gcomp.memory")
+ABOVE_PRUNING = ("gcomp.compressors", "gcomp.collectives", "gcomp.hook", "gcomp.bench", "gcomp.registry",
+                 "gcomp.core", "gcomp.method")
 ABOVE_LINK = ("gcomp.bench", "gcomp.auto", "gcomp.fsdp", "gcomp.hook", "gcomp.installer", "gcomp.compressors")
 MAY_IMPORT_BENCH = ("gcomp/bench/", "gcomp/cli.py")
 MIN_LINES = 40
