@@ -30,7 +30,7 @@ DEFAULT_METHODS = (PLAIN, "identity", "fp16", "pactrain", "spardl")
 
 def check_methods(methods: list[str]) -> None:
     """A ValueError for a method that cannot run under FSDP2 (PyTorch's DDP hooks, methods whose codec does not,
-    options a row strategy refuses), naming those that can."""
+    options it refuses), naming those that can."""
     for text in methods:
         method = parse_method(text)
         if getattr(method, "outer", False):
