@@ -9,7 +9,6 @@ import math
 import numbers
 import re
 from dataclasses import dataclass
-from typing import Sequence
 
 from gcomp.core import ALLREDUCE, COLLECTIVES, HIERARCHICAL, POINT_TO_POINT
 
