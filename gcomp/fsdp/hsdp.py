@@ -1,13 +1,6 @@
-"""HSDP through gcomp: native HSDP (``fully_shard`` on a 2-D mesh) all-reduces across replicas before any hook, so
-gcomp's is built from its parts: shard on the shard dimension only, install, then ``replicate`` hooks every FSDP
-module (``set_all_reduce_hook``) to average its reduced shard over the replicate group through a method::
-
-    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
-    fully_shard(layer, mesh=mesh["shard"]) ...; fully_shard(model, mesh=mesh["shard"])
-    state = gcomp.install(model, "pactrain")                        # reduce-scatter within a replica
-    replica = gcomp.fsdp.replicate(state, mesh["replicate"].get_group(), "fp16")  # across replicas
-
-Replicas must start from the same weights (the same seed), as with native HSDP.
+"""HSDP through gcomp (docs/fsdp.md): native HSDP (``fully_shard`` on a 2-D mesh) all-reduces across replicas before
+any hook, so gcomp's is built from its parts: shard on the shard dimension only, install, then ``replicate`` hooks
+every FSDP module (``set_all_reduce_hook``) to average its reduced shard over the replicate group through a method.
 """
 from __future__ import annotations
 
