@@ -1,14 +1,5 @@
-"""Ranks that must agree, asked once: one small all-gather of a digest per field, and a ``ValueError`` on every rank
-naming the first field that differs and the ranks on each side, before any gradient moves.
-
-Every rank receives the same table of digests, so every rank takes the same path: all return, or all raise (after
-one more collective, taken on the error path only, that fetches the differing field's values so the message can
-show both sides). A field is a short string; what it holds is the caller's (``gcomp.run_state`` asks about the
-method, the process group, the parameters and a loaded checkpoint).
-
-Before that, a state checks the ranks it reduces over (``check_member``, ``check_same_ranks``): this rank must be one
-of them, and they must be its model's (DDP's own group): over fewer or others, the replicas drift apart.
-"""
+"""Ranks that must agree: one all-gather of a digest per field, and a ``ValueError`` on every rank naming the first
+field that differs, before any gradient moves; and the checks that a state reduces over its model's ranks."""
 from __future__ import annotations
 
 import hashlib
@@ -33,10 +24,8 @@ def collective_device(group) -> torch.device:
 
 
 def agree(what: str, fields: dict[str, str], group, fixes: dict[str, str] | None = None) -> None:
-    """Check that every rank of ``group`` holds the same ``fields`` (name -> value); one all-gather of their
-    digests. If they differ: a ``ValueError`` on every rank, ``"<what>: the ranks disagree on <field>: ranks 0, 1
-    have ...; rank 2 has .... <fixes[field]>"``, with global ranks (a value of several lines is a list: each side
-    is shown from its first differing line)."""
+    """Every rank of ``group`` holds the same ``fields`` (name -> text), or a ``ValueError`` on every rank: ``"<what>:
+    the ranks disagree on <field>: ranks 0, 1 have ...; rank 2 has .... <fixes[field]>"``."""
     if len(fields) > MAX_FIELDS:
         raise ValueError(f"gcomp.agreement: at most {MAX_FIELDS} fields, got {len(fields)}")
     world = dist.get_world_size(group)
@@ -53,7 +42,7 @@ def agree(what: str, fields: dict[str, str], group, fixes: dict[str, str] | None
     column = next((i for i, d in enumerate(differs) if d), None)
     if column is None:
         return
-    # every rank saw the same table: every rank is here, so this second collective is matched
+    # every rank saw the same table, so every rank is here: this second collective is matched
     field = names[column] if column < len(names) else f"field {column} (gcomp versions differ?)"
     values: list = [None] * world
     dist.all_gather_object(values, fields.get(field, ""), group=group)
@@ -62,8 +51,8 @@ def agree(what: str, fields: dict[str, str], group, fixes: dict[str, str] | None
 
 
 def sides(values: list, group) -> str:
-    """``"rank 0 has 'a'; ranks 1, 2 have 'b'"``: the ranks grouped by value, in order of first appearance,
-    as global ranks."""
+    """``"rank 0 has 'a'; ranks 1, 2 have 'b'"`` (global ranks; a value of several lines is a list, shown from its
+    first differing line)."""
     ranks = global_ranks(group)
     lines = [v.split("\n") for v in values]
     if any(len(x) > 1 for x in lines):  # a list, one item a line: show each side from the first item where they part

@@ -1,23 +1,11 @@
-"""How a hook's state is saved and loaded across ranks: every rank's state is its own.
-
-Error feedback makes the state per rank: each rank's residuals are what *its* compressor held back. The common
-patterns (rank 0 saves, every rank loads) would hand every rank rank 0's residuals, and the run would go on
-along another trajectory without a word. So ``HookState.state_dict()`` records the world size and files this
-rank's part under its rank::
+"""A state's checkpoint: every rank's part is its own (error feedback holds what *that* rank held back), filed
+under its rank (docs/checkpoints-and-faults.md says how to save and resume)::
 
     {"format": "gcomp.<kind>/4", "method": ..., "params": ..., "world_size": N, "iteration": ...,
-     "ranks": {"rank<r>": <bytes: torch.save of {"stats", "method"}>}}
+     "ranks": {"rank<r>": <bytes: torch.save of {"stats", "method"[, "layouts"]}>}}
 
-(kind: ``ddp``, ``fsdp``, ``hsdp`` or ``diloco``, the state that saved it; formats ``gcomp.hook/1`` to ``/3`` of
-earlier releases are read and upgraded)
-
-(a part: ``{"stats": ..., "method": <the method's state_dict>}``; a ``gcomp.Method``'s is ``{"memory": ...,
-"compressor": ...}``) and ``HookState.load_state_dict`` takes its own rank's part, refusing another rank's (unless the method's state
-is the same on every rank). ``HookState.gather_state_dict()`` fills ``ranks`` with every rank's part (one
-collective), so one file on rank 0 resumes every rank, and a different world size resumes where the method
-can say how (residuals are summed: old rank j goes to new rank j mod N). Each rank's part is one bytes value,
-so ``torch.distributed.checkpoint`` stores every rank's under its own key instead of keeping one copy of
-tensors it takes for replicated: ``dcp.save({"gcomp": hook_state})`` and ``dcp.load`` work as they are.
+``kind`` is the state's (ddp, fsdp, hsdp, diloco); formats ``gcomp.hook/1`` to ``/3`` are read and upgraded. Each
+part is one bytes value, so ``torch.distributed.checkpoint`` stores every rank's under its own key.
 """
 from __future__ import annotations
 
@@ -32,7 +20,7 @@ from gcomp.method import Method, MethodUnit
 from gcomp.sharding import reshard_parameters
 from gcomp.state_checks import check_state
 
-VERSION = 4  # the format names the kind of state: gcomp.ddp/4, gcomp.fsdp/4, gcomp.hsdp/4, gcomp.diloco/4
+VERSION = 4
 KINDS = ("ddp", "fsdp", "hsdp", "diloco")
 SHARED_FORMAT = "gcomp.hook/3"  # every kind's, before the kind was named: read as the loading state's kind
 PARTS_FORMAT = "gcomp.hook/2"  # each rank's part {"stats", "memory", "compressor"}: read, upgraded
@@ -54,12 +42,16 @@ def pack(part: dict) -> bytes:
     return buffer.getvalue()
 
 
-def unpack(key: str, blob: bytes) -> dict:
+def _load(key: str, blob: bytes) -> Any:
     try:
-        part = torch.load(io.BytesIO(blob), weights_only=True)
+        return torch.load(io.BytesIO(blob), weights_only=True)
     except Exception as err:  # noqa: BLE001 -- any unreadable part is the same user error
         raise ValueError(f"gcomp checkpoint: the state of {key} cannot be read ({type(err).__name__}: {err}); "
                          "the file is truncated or not a gcomp hook state") from err
+
+
+def unpack(key: str, blob: bytes) -> dict:
+    part = _load(key, blob)
     check_state(f"gcomp checkpoint ({key})", part, {"stats": dict, "method": dict}, {"layouts": list})
     return part
 
@@ -69,10 +61,8 @@ def state_format(kind: str) -> str:
 
 
 def upgrade(state: Any, method: MethodUnit, rank: int, world_size: int, kind: str) -> Any:
-    """A checkpoint of an earlier format in today's: the first (one rank's state, taken as this rank's own, with
-    a warning), or the second (each rank's part held the method's memory and compressor states side by side;
-    a composite's memory was empty and its compressor's state is the composite's state now). Anything else is
-    returned as it is, for ``check_header`` to judge."""
+    """A checkpoint of an earlier format in today's (``/2``'s parts held memory and compressor side by side; a
+    composite's memory was empty); anything else as it is, for ``check_header`` to judge."""
     if not isinstance(state, dict):
         return state
     if state.get("format") == SHARED_FORMAT:
@@ -85,11 +75,7 @@ def upgrade(state: Any, method: MethodUnit, rank: int, world_size: int, kind: st
     for key, blob in state["ranks"].items():
         if not isinstance(blob, bytes):
             return state  # check_header names what is wrong
-        try:
-            part = torch.load(io.BytesIO(blob), weights_only=True)
-        except Exception as err:  # noqa: BLE001 -- any unreadable part is the same user error
-            raise ValueError(f"gcomp checkpoint: the state of {key} cannot be read ({type(err).__name__}: {err}); "
-                             "the file is truncated or not a gcomp hook state") from err
+        part = _load(key, blob)
         check_state(f"gcomp checkpoint ({key})", part, {"stats": dict, "memory": dict, "compressor": dict})
         if isinstance(method, Method):
             own = {"memory": part["memory"], "compressor": part["compressor"]}
@@ -143,9 +129,8 @@ def from_legacy(state: dict, rank: int, world_size: int) -> dict:
 
 def own_part(state: dict, method: MethodUnit, rank: int, world_size: int,
              shard_sizes: dict[str, torch.Size] | None = None) -> dict:
-    """This rank's ``{"stats", "method"}`` from a checked checkpoint: its own, any rank's when the method's state is
-    the same on every rank, or merged from every old rank's after a change of world size (under FSDP2, ``shard_sizes``
-    given, the per-parameter state re-sharded first)."""
+    """This rank's ``{"stats", "method"}``: its own, any rank's for a replicated state, or merged from every old
+    rank's after a change of world size (under FSDP2, ``shard_sizes`` given, re-sharded by parameter first)."""
     saved_world, ranks = state["world_size"], state["ranks"]
     mine = ranks.get(rank_key(rank))
     if saved_world == world_size and mine is not None:
@@ -179,13 +164,11 @@ def own_part(state: dict, method: MethodUnit, rank: int, world_size: int,
 
 
 def resized(saved_world: int, world_size: int) -> str:
-    """How every refusal of a resize begins: both world sizes."""
     return f"gcomp checkpoint saved at world size {saved_world}, this run has {world_size}"
 
 
 def refuse_resize(method: MethodUnit, saved_world: int, world_size: int, why: str) -> str:
-    """The message of a resize ``method`` cannot honour: both world sizes, ``why`` (what the method keeps, after
-    its name), and the two ways on."""
+    """The message of a resize ``method`` cannot honour (``why`` follows its name), and the two ways on."""
     return (f"{resized(saved_world, world_size)}: {method.name} {why}; resume on {saved_world} ranks, or start "
             f"{method.name}'s state afresh: {AFRESH}")
 

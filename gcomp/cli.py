@@ -283,11 +283,8 @@ def _main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    """The ``gcomp`` command: ``main``, then the end of the process once gcomp's collectives are settled and the
-    output flushed, skipping the interpreter's shutdown. PyTorch's own hooks, which the benchmarks run beside
-    gcomp's methods, leave gloo's threads finishing their callbacks, which gcomp cannot settle; there CPython (before
-    3.14) ends such a thread inside a C++ destructor and the process aborts after its work is done ("terminate
-    called ... Resource deadlock avoided": seen in 2 of 5 runs of ``gcomp bench --codec``)."""
+    """The ``gcomp`` command: ``main``, then ``end_process`` (PyTorch's own hooks, which the benchmarks run, leave
+    gloo's threads in callbacks gcomp cannot settle, and the interpreter's shutdown would abort on them)."""
     from gcomp.elastic import end_process
 
     end_process(main())

@@ -1,12 +1,5 @@
-"""Per-parameter control: the parameters a run keeps dense (``dense=``, ``dense_below=``), and how a bucket that
-holds some of them is split.
-
-A bucket's dense entries are gathered (one ``index_select`` by an index made once per layout) into one flat
-tensor and all-reduced as they are, beside the method, which reduces a sub-bucket holding only the compressed
-parameters (a ``BucketInfo`` of those: a view of the buffer when they lie in one run, else a contiguous copy).
-Both results are put back into the bucket's buffer. A bucket with no dense parameter is not touched; one with
-only dense parameters is one plain all-reduce. The cost: one extra all-reduce per bucket holding both kinds.
-"""
+"""Parameters kept dense (``dense=``, ``dense_below=``): their entries of a bucket go in one all-reduce beside the
+method, which reduces a sub-bucket of the others (docs/design.md §12)."""
 from __future__ import annotations
 
 import fnmatch
@@ -27,10 +20,8 @@ STAT_KEYS = ("dense_bytes", "dense_params")
 
 
 class DenseRule:
-    """Which parameters travel uncompressed: names or glob patterns (``fnmatch`` on the names of
-    ``model.named_parameters()``, the DDP model's module naming them), a predicate ``(name, param) -> bool``,
-    and/or ``dense_below=N`` (every parameter of fewer than N entries). Checked when made; ``select`` names the
-    parameters of a model it keeps dense (a pattern that matches nothing is an error)."""
+    """Which parameters travel uncompressed: names or glob patterns (``fnmatch`` on ``model.named_parameters()``'s
+    names), a predicate ``(name, param) -> bool``, and/or ``dense_below=N`` (parameters of fewer than N entries)."""
 
     def __init__(self, dense: DenseSpec = None, dense_below: int | None = None):
         if dense_below is not None and (isinstance(dense_below, bool) or not isinstance(dense_below, int)
@@ -69,16 +60,16 @@ class DenseRule:
         return ", ".join(parts)
 
     def select(self, named_parameters) -> tuple[str, ...]:
-        """The names of the parameters kept dense among ``named_parameters`` (those that train), in their order;
-        a pattern matching none is a ValueError naming it; a rule keeping none, or all, warns once."""
+        """The names kept dense among ``named_parameters`` (those that train), in order; a pattern matching none is
+        a ValueError, a rule keeping none, or all, warns once."""
         named = list(named_parameters)
         names = [n for n, _ in named]
         for pattern in self.patterns:
             if not fnmatch.filter(names, pattern):
                 shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
                 raise ValueError(f"gcomp: dense= pattern {pattern!r} matches no trained parameter of the "
-                                 f"model (requires_grad); they are named as model.named_parameters() names them ({shown}): fix the "
-                                 "pattern or drop it")
+                                 f"model (requires_grad); they are named as model.named_parameters() names them "
+                                 f"({shown}): fix the pattern or drop it")
         kept = tuple(n for n, p in named
                      if any(fnmatch.fnmatchcase(n, pat) for pat in self.patterns)
                      or (self.predicate is not None and self.predicate(n, p))
@@ -94,8 +85,7 @@ class DenseRule:
 
 @dataclass
 class Split:
-    """One bucket layout's split: the dense entries' positions, and the compressed parameters' sub-bucket (a
-    run ``[start, stop)`` of the buffer, or positions when they are interleaved with dense ones)."""
+    """One bucket layout's split: the dense entries' positions, and the compressed parameters' sub-bucket."""
 
     sub: BucketInfo | None  # None: every parameter of the bucket is dense
     dense_index: torch.Tensor | None
@@ -126,19 +116,15 @@ def split_of(info: BucketInfo, dense: frozenset, device: torch.device) -> Split 
 
 def reduce_split(buffer: torch.Tensor, split: Split, reduce_rest, group: dist.ProcessGroup | None,
                  stats: dict) -> torch.futures.Future:
-    """Reduce a bucket (already divided by the world size) whose layout has dense parameters: their entries in
-    one all-reduce, the rest through ``reduce_rest(flat, sub_info)``; a future of the whole bucket's mean (the
-    buffer itself, filled in)."""
-    if split.sub is None:
-        nbytes = buffer.numel() * buffer.element_size()
-        stats["bytes_sent"] += nbytes
-        stats["dense_bytes"] += nbytes
-        return then_on(all_reduce_all(Payload([buffer]), group, stats=stats), lambda f: f.value()[0], buffer.device)
-    dense = buffer.index_select(0, split.dense_index)
+    """Reduce a bucket (already divided by the world size) with dense parameters: theirs in one all-reduce, the
+    rest through ``reduce_rest(flat, sub_info)``; a future of the buffer, filled with the mean."""
+    dense = buffer if split.sub is None else buffer.index_select(0, split.dense_index)
     nbytes = dense.numel() * dense.element_size()
     stats["bytes_sent"] += nbytes
     stats["dense_bytes"] += nbytes
     sent = all_reduce_all(Payload([dense]), group, stats=stats)
+    if split.sub is None:
+        return then_on(sent, lambda f: f.value()[0], buffer.device)
     rest = buffer[split.start:split.stop] if split.comp_index is None else buffer.index_select(0, split.comp_index)
     reduced = reduce_rest(rest, split.sub)
 

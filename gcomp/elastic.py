@@ -1,15 +1,7 @@
-"""A torchrun process around gcomp: a process group that survives torchrun's restarts (``init_process_group``), and
-an end that does not abort (``end_process``).
-
-After a restart, ``init_process_group`` on torchrun's address can fail with gloo's "connectFullMesh: connection
-refused", with or without gcomp: the store still holds the keys of the attempt that died, and the new attempt's
-ranks read the dead one's addresses. ``init_process_group`` here builds the group on
-``PrefixStore(f"attempt{TORCHELASTIC_RESTART_COUNT}", store)``, so every attempt starts from empty keys.
-
-A backend thread may still be finishing a collective's callbacks when a script's last line returns; CPython before
-3.14 then ends it inside a C++ destructor and the process aborts after all its work is done ("terminate called
-without an active exception"), which torchrun reports as a failed run. ``end_process`` waits for gcomp's
-collectives, flushes the output and leaves at once.
+"""A torchrun process around gcomp (docs/checkpoints-and-faults.md): a process group that survives torchrun's
+restarts (``init_process_group``: after a restart the store still holds the dead attempt's keys, so gloo's
+connectFullMesh is refused; each attempt gets a key space of its own), and an end that does not abort
+(``end_process``: a backend thread still in a collective's callbacks at interpreter shutdown aborts the process).
 """
 from __future__ import annotations
 

@@ -22,47 +22,14 @@ from gcomp.run_state import RunState
 
 
 class HookState(RunState):
-    """Everything the hook keeps between calls: the method, per-bucket layouts, statistics.
+    """What the DDP hook keeps between calls: the method, per-bucket layouts, ``stats`` (docs/statistics.md).
 
-    Made by ``gcomp.comm_hook`` (with no model needed) or ``gcomp.install``; a ``gcomp.run_state.RunState``
-    (statistics, steps, checkpoints: those of every gcomp state). It binds itself to what it reduces in two
-    parts:
-
-    - **the model** (``bind(model)``, done by ``install``, or by passing ``model=``): parameters are known by
-      their names in ``model.named_parameters()``, so checkpoints are keyed by name, pruning masks are found
-      (``pactrain``, ``prunex``), and the warm-up follows a DDP model's own options. Without one, a parameter is
-      known by its place in the first step's buckets (``"bucket0.param3"``): the same in every run of the same
-      model and DDP options, so checkpoints still resume (in a run bound the same way); masks are not seen, so
-      ``pactrain`` sends dense.
-    - **the process group**, at the first bucket (or the first ``state_dict``/``load_state_dict``): by
-      then the process group exists, even where the state was made before it (Lightning's ``DDPStrategy``).
-
-    ``stats`` (a plain dict, summed over steps and buckets, this rank only):
-
-    - ``steps``: optimizer steps seen (DDP iterations whose last bucket went through the hook);
-    - ``buckets``: bucket reductions;
-    - ``bytes_sent``: payload bytes this rank handed to collectives, all rounds, all buckets;
-    - ``bytes_dense``: bytes a plain all-reduce of the same buckets, in their own dtype, would have handed over
-      (so ``bf16`` on bf16 parameters saves nothing: 1.00x);
-    - ``encode_s`` / ``decode_s``: host seconds spent compressing (with error feedback) and decoding;
-    - ``warmup_steps``: steps sent as a plain all-reduce because DDP's buckets were not final yet
-      (stateful methods only; DDP rebuilds its buckets after step 0, after step 1 with ``static_graph``);
-    - ``dense_buckets``: bucket reductions sent as plain all-reduce for that reason;
-    - ``layouts``: distinct bucket layouts seen (a rebuild shows up here);
-    - ``rounds``: sequential latency rounds the communicator ran, all buckets (``gcomp.collectives.counting``;
-      like the three pairs below, the warm-up's plain all-reduces are not counted);
-    - ``allreduce_calls`` / ``allreduce_bytes``: all-reduces launched, and the bytes handed to them;
-    - ``allgather_calls`` / ``allgather_bytes``: all-gathers launched, and this rank's contribution to them;
-    - ``p2p_rounds`` / ``p2p_bytes``: point-to-point rounds, and per round the larger of the bytes sent and
-      received; ``gcomp simulate`` prices a step from these counts;
-    - ``round_work_s``: host seconds of codec work between a communicator's rounds (a chained codec's second
-      round, a point-to-point program's selections), which ``encode_s`` and ``decode_s`` do not hold.
-
-    A method may add counters of its own (its compressor's and communicator's ``stat_keys``: ``pactrain``
-    counts its mask tracker's switches, ``threshold`` its padding, ``hierarchical`` its inter-node bytes).
-    With ``dense=`` or ``dense_below=`` (``gcomp.dense``: parameters kept uncompressed, which needs the model),
-    two more: ``dense_bytes``, the bytes of the dense entries' all-reduces (within ``bytes_sent``; the warm-up's
-    plain all-reduces are not counted there), and ``dense_params``, the number of parameters kept dense.
+    Made by ``gcomp.comm_hook`` or ``gcomp.install``. Bound to a model (``bind``), parameters are known by their
+    names: checkpoints are keyed by name, pruning masks are seen (``pactrain``, ``prunex``) and the warm-up follows
+    a DDP model's options. Without one, a parameter is known by its place in the first step's buckets
+    (``"bucket0.param3"``, the same in every run of the same model and DDP options) and ``pactrain`` sends dense.
+    The state joins the process group at its first bucket (or ``state_dict``/``load_state_dict``): it exists by
+    then, even where the state was made before it (Lightning's ``DDPStrategy``).
     """
 
     def __init__(self, method: MethodUnit, model: torch.nn.Module | None = None,
@@ -73,7 +40,7 @@ class HookState(RunState):
         super().__init__(method, process_group, DENSE_KEYS if dense is not None else ())
         self._dense_rule = dense
         self._splits: dict = {}  # layout key -> its gcomp.dense.Split, or None (no dense parameter in it)
-        self.model: torch.nn.Module | None = None  # the module whose parameter names key the state
+        self.model: torch.nn.Module | None = None
         self._names: dict[int, str] = {}
         self._layouts: dict[tuple, BucketInfo] = {}
         self._ready = False  # bound to the process group
@@ -94,9 +61,8 @@ class HookState(RunState):
                 self._ensure_ready()  # so the method's warnings (no masks, one node...) come at install
 
     def bind(self, model: torch.nn.Module) -> "HookState":
-        """Know the parameters by their names in ``model`` (a DDP model, or the module it wraps, or any module
-        that holds the same parameters, such as a LightningModule); a DDP model also sets the warm-up from its
-        options. Call it before the first step; returns the state."""
+        """Know the parameters by their names in ``model`` (a DDP model, the module it wraps, or any module holding
+        the same parameters, such as a LightningModule; a DDP model also sets the warm-up) before the first step."""
         if self._ready:
             raise RuntimeError("gcomp: bind the hook state to its model before the first step (the state is "
                                "already reducing buckets, known by their place)")
@@ -154,8 +120,7 @@ class HookState(RunState):
             self._numels[name] = p.numel()
 
     def _check_known(self, bucket) -> None:
-        """Every parameter of the bucket is one of the bound model's: a state bound to one model and registered
-        on another would key its state by nothing that model has."""
+        """Refuse a bucket holding parameters the bound model lacks (the state is registered on another model)."""
         unknown = sum(id(p) not in self._names for p in bucket.parameters())
         if unknown:
             raise ValueError(f"gcomp: bucket {bucket.index()} holds {unknown} parameter(s) that the model this hook "
@@ -173,8 +138,8 @@ class HookState(RunState):
 
     @property
     def inter_node_ratio(self) -> float | None:
-        """For ``hierarchical`` and ``prunex`` on a node leader: ``inter_bytes_dense / inter_bytes``, the
-        compression of what crosses nodes alone (1.0 before the first step); None for other methods."""
+        """``inter_bytes_dense / inter_bytes`` on a node leader of ``hierarchical`` or ``prunex`` (1.0 before the first
+        step); None for other methods."""
         if "inter_bytes_dense" not in self.stats:
             return None
         sent = self.stats["inter_bytes"]
@@ -197,8 +162,7 @@ class HookState(RunState):
         return info
 
     def _reduce_as_saved(self, buffer: torch.Tensor, pieces: list, last: bool) -> torch.futures.Future:
-        """The bucket cut into the saved run's layouts (``gcomp.resume_layouts``), each reduced on its own in
-        their saved order, and put back together."""
+        """The bucket cut into the saved run's layouts (``gcomp.resume_layouts``), each reduced on its own."""
         futures = []
         for i, (info, where) in enumerate(pieces):
             self._record(info, last=last and i == len(pieces) - 1)
@@ -273,17 +237,13 @@ class HookState(RunState):
         return self.method.reduce(buffer, info, self.group, self.stats)
 
     def _own_extras(self) -> dict:
-        """The bucket layouts of the last step (``gcomp.resume_layouts``), so a resumed run reduces its first
-        buckets as they were."""
+        """The last step's bucket layouts, so a resumed run reduces its first buckets as they were."""
         layouts = self._resume.state(self._last_step)
         return {"layouts": layouts} if layouts else {}
 
     def _check_parameters(self, part: dict) -> None:
-        """The layouts of a loaded part are taken up here (``gcomp.resume_layouts``). A state without a model,
-        loaded before its first step, knows its parameters' names only at the end of that step: the
-        per-parameter tensors are checked then. (A resumed run counts on from the checkpoint's
-        step, so it does not warm up again: residuals are stored per parameter and map onto the new DDP's
-        buckets, whatever their layout.)"""
+        """Take up the loaded layouts; check the per-parameter tensors now, or, without a model before the first
+        step, at that step's end (when the parameters have names)."""
         layouts = SavedLayouts.check(part["layouts"]) if "layouts" in part else []
         # for the steps this process's DDP model takes on its first buckets (none once it took them)
         self._resume.load(layouts, max(0, self._first_layout - self._steps_here))

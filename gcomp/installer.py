@@ -1,11 +1,6 @@
-"""Putting a method on a model: ``gcomp.comm_hook`` for trainers that register the DDP hook themselves, and
-``gcomp.install`` for a model at hand: a DDP model (``gcomp.hook`` holds the hook and its state) or a
-``fully_shard``-ed one (FSDP2: ``gcomp.fsdp`` puts a gcomp reduce-scatter on each of its FSDP modules).
-
-Where there is nothing to compress (one process, no DDP model) ``install(..., if_distributed=True)`` returns a
-``NotDistributed`` state; a model it cannot take gets the advice that fits (inside a trainer, the trainer's route,
-not "wrap it in DDP"). The trainers are looked for only where a script has imported them: gcomp imports none.
-"""
+"""Putting a method on a model: ``gcomp.comm_hook`` (the DDP hook, for trainers that register it themselves) and
+``gcomp.install`` (a DDP or ``fully_shard``-ed model); a model it cannot take gets the advice that fits (a
+trainer's route where a script imported one: gcomp imports none)."""
 from __future__ import annotations
 
 import logging
@@ -31,22 +26,13 @@ _log = logging.getLogger("gcomp")
 def comm_hook(name_or_method: Union[str, MethodUnit], process_group: dist.ProcessGroup | None = None,
               model: torch.nn.Module | None = None, *, dense: DenseSpec = None, dense_below: int | None = None,
               **params) -> tuple[HookState, Callable]:
-    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``, or for a trainer that registers the
-    hook itself (Lightning: ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)``).
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)`` or a trainer that registers the hook
+    (Lightning: ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)``); one state serves one DDP model.
 
-    Needs no model and no process group yet: the state binds itself to the process group at the first bucket
-    (``process_group``, by default the default group: it must be the DDP model's). With ``model`` (or
-    ``state.bind(model)`` before the first step) parameters are known by name: checkpoints keyed by name,
-    pruning masks seen; without, by their place in the first step's buckets (``HookState`` says what each
-    gives). One state serves one DDP model.
-
-    At its first bucket the state checks, on every rank, that all ranks run the same method over the same group
-    (``gcomp.agreement``); bound to a DDP model, also that ``process_group`` has the DDP model's ranks (without one
-    it cannot tell, and warns once when ``process_group`` is given).
-
-    ``dense`` (parameter names or glob patterns, a str or a list, or a predicate ``(name, param) -> bool``) and
-    ``dense_below=N`` (parameters of fewer than N entries) keep parameters uncompressed: they need ``model``
-    (``gcomp.dense`` says how their entries travel).
+    Needs no process group yet: the state joins ``process_group`` (default: the default group; it must be the DDP
+    model's) at its first bucket. ``model`` (or ``state.bind(model)``): see ``HookState``. ``dense`` (names or glob
+    patterns, or a predicate ``(name, param) -> bool``) and ``dense_below=N`` (parameters of fewer than N entries)
+    keep parameters uncompressed (``gcomp.dense``); they need ``model``.
     """
     rule = DenseRule.of(dense, dense_below)
     method = method_from(name_or_method, params)
@@ -58,32 +44,22 @@ def comm_hook(name_or_method: Union[str, MethodUnit], process_group: dist.Proces
 def install(model: torch.nn.Module | None = None, name_or_method: Union[str, MethodUnit, None] = None,
             process_group: dist.ProcessGroup | None = None, *, if_distributed: bool = False,
             dense: DenseSpec = None, dense_below: int | None = None, **params) -> HookState | NotDistributed:
-    """Put a method on ``model`` and return its state: on a DDP model, gcomp's communication hook (a
-    ``HookState``); on a ``fully_shard``-ed model (FSDP2's ``FSDPModule``, the root of the tree), gcomp's
-    reduce-scatter on every FSDP module (an ``FSDPState``, ``gcomp.fsdp``): methods without an FSDP2 row strategy
-    are refused there, naming those that have one (``gcomp.available(fsdp=True)``).
+    """Put a method on ``model`` and return its state: gcomp's hook on a DDP model (a ``HookState``; a
+    ``torch.compile``d one is unwrapped), gcomp's reduce-scatter on every FSDP module of a ``fully_shard``-ed root
+    (an ``FSDPState``: methods that cannot serve FSDP2 are refused).
 
-    ``name_or_method`` is a registered name (``params`` go to ``gcomp.create``) or a ``Method`` built by hand.
-    Collectives run on ``process_group``, by default the DDP model's own. A ``torch.compile``d DDP model is
-    unwrapped: the hook goes on the DDP model inside.
-
-    ``if_distributed=True`` is for scripts that also run on one process (``python train.py``, a debugging run),
-    where the model is not wrapped in DDP: a module that is not DDP, with no process group or a group of one,
-    is left as it is with one info line (logger ``gcomp``), and a ``NotDistributed`` is
-    returned (``stats`` all zero, ``compression_ratio`` 1.0, printed as "not distributed: nothing
-    compressed"). By default, or with more than one process, a model that is not DDP is a ``TypeError``
-    naming the route: inside Accelerate or for a LightningModule, that trainer's gcomp integration.
-
-    ``dense=`` / ``dense_below=`` keep parameters uncompressed (``gcomp.comm_hook`` says how; DDP only).
+    ``name_or_method``: a registered name (``params`` go to ``gcomp.create``) or a method built by hand;
+    collectives run on ``process_group``, by default the DDP model's. ``if_distributed=True``: a model that is not
+    DDP, on one process, is left as it is (one info line, logger ``gcomp``) and a ``NotDistributed`` returned;
+    otherwise such a model is a ``TypeError`` naming the route. ``dense=`` / ``dense_below=``: as ``comm_hook``
+    (DDP only).
     """
     if model is None or name_or_method is None:
         raise TypeError("gcomp.install takes a model and a method: install(model, 'topk', ratio=0.01)")
     ddp_model = model
     inner = getattr(ddp_model, "_orig_mod", None)  # torch.compile's OptimizedModule wraps the DDP model
-    if isinstance(inner, DistributedDataParallel):
+    if isinstance(inner, (DistributedDataParallel, FSDPModule)):
         ddp_model = inner  # the hook lives on DDP's reducer, which the compiled module runs as it is
-    if isinstance(inner, FSDPModule):
-        ddp_model = inner
     rule = DenseRule.of(dense, dense_below)  # a bad rule is an error on one process too
     if isinstance(ddp_model, FSDPModule):
         if rule is not None:
@@ -112,8 +88,7 @@ def install(model: torch.nn.Module | None = None, name_or_method: Union[str, Met
 
 
 def _not_ddp(model, name_or_method, params: dict, if_distributed: bool) -> NotDistributed:
-    """``install`` on a model that is not DDP: a ``NotDistributed`` state where asked and alone, else the error
-    naming the route (a trainer's integration where one owns the model)."""
+    """``install`` on a model that is not DDP: a ``NotDistributed`` state where asked and alone, else the error."""
     alone = (not dist.is_initialized() or dist.get_world_size() == 1) and launched_processes() == 1
     route = trainer_route(model) if isinstance(model, torch.nn.Module) else None
     if if_distributed and alone and isinstance(model, torch.nn.Module):
@@ -133,11 +108,9 @@ def _not_ddp(model, name_or_method, params: dict, if_distributed: bool) -> NotDi
 
 
 class NotDistributed:
-    """The state of a method installed where there is nothing to compress (one process, no DDP model): a script
-    that also runs on one process keeps working unchanged. ``distributed`` is False; ``stats`` holds every key a hook state's has, at zero; ``compression_ratio`` is
-    1.0; ``state_dict()`` is empty and ``load_state_dict`` accepts only an empty one (a checkpoint of a
-    distributed run holds every rank's part, which one process cannot continue). ``str(state)`` reads
-    ``gcomp: not distributed: nothing compressed (...)``.
+    """The state of a method installed where there is nothing to compress (one process, no DDP model): ``stats``
+    all zero, ``compression_ratio`` 1.0, an empty ``state_dict()``; ``load_state_dict`` takes only an empty one (a
+    distributed run's checkpoint holds every rank's part, which one process cannot continue).
     """
 
     distributed = False
@@ -186,8 +159,7 @@ def launched_processes() -> int:
 
 
 def one_process_of_many(processes: int | None) -> str | None:
-    """The error where Accelerate runs one process though a launcher started several (on CPU without
-    ``Accelerator(cpu=True)``, every process trains alone), else None."""
+    """The error where Accelerate runs one process though a launcher started several, else None."""
     launched = launched_processes()
     if processes is None or processes > 1 or launched <= 1:
         return None

@@ -35,7 +35,9 @@ class Range:
     def __str__(self) -> str:
         lo = "-inf" if self.low is None else f"{self.low:g}"
         hi = "inf" if self.high is None else f"{self.high:g}"
-        return f"in {'(' if self.low_open or self.low is None else '['}{lo}, {hi}{')' if self.high_open or self.high is None else ']'}"
+        left = "(" if self.low_open or self.low is None else "["
+        right = ")" if self.high_open or self.high is None else "]"
+        return f"in {left}{lo}, {hi}{right}"
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,9 @@ class ParamSpec:
         return f"{text}  -- {self.help}" if self.help else text
 
     def validate(self, method: str, value: Any) -> Any:
-        """Return the value, converted where lossless (an int for a float; what a constraint with ``convert``
-        makes of it: ``gcomp.registry.Nested``, a method's canonical spec), or raise ``ValueError``."""
+        """The value, converted where lossless (an int for a float; a constraint's ``convert``), or ``ValueError``."""
         if hasattr(self.allowed, "convert"):
-            # Left as it is, the default: the registry checks defaults as it registers a method, when the
-            # method a default names may not be registered yet; the factory creates it anyway.
+            # the default as it is: checked at registration, when the method it names may not be registered yet
             if isinstance(value, str) and value == self.default:
                 return value
             return self.allowed.convert(method, self.name, value)
@@ -86,13 +86,14 @@ class ParamSpec:
         }.get(self.type, lambda v: isinstance(v, self.type))
         allowed = f" {self.allowed}" if self.allowed is not None else ""
         if not ok_type(value) or (self.type is float and isinstance(value, float) and math.isnan(value)):
-            raise ValueError(f"{method}: parameter '{self.name}' must be {_TYPE_NAMES.get(self.type, self.type.__name__)}"
-                             f"{allowed}; got {value!r}")
+            kind = _TYPE_NAMES.get(self.type, self.type.__name__)
+            raise ValueError(f"{method}: parameter '{self.name}' must be {kind}{allowed}; got {value!r}")
         if self.type is float:
             try:
                 value = float(value)
             except OverflowError:
-                raise ValueError(f"{method}: parameter '{self.name}' must be a float{allowed}; got {value!r}") from None
+                raise ValueError(f"{method}: parameter '{self.name}' must be a float{allowed}; "
+                                 f"got {value!r}") from None
         if self.allowed is not None and value not in self.allowed:
             raise ValueError(f"{method}: parameter '{self.name}' must be{allowed}; got {value!r}")
         return value

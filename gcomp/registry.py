@@ -55,12 +55,9 @@ _entry_points_loaded = False
 
 
 def register(name: str, *, paper: str = "", override: bool = False, variants: tuple[dict, ...] = ()) -> Callable:
-    """Decorator: register a factory ``(**params) -> Method`` (any ``gcomp.method.MethodUnit``) under ``name``.
-
-    Every parameter needs a default; annotate it as ``Annotated[float, Range(0, 1), "help"]`` to have it
-    validated when the method is created. ``variants``: parameter sets that put something else on the wire, which
-    the contract suites run beside the defaults. Whether it serves FSDP2 follows from its compressor's traits.
-    """
+    """Decorator: register a factory ``(**params) -> MethodUnit`` under ``name``. Every parameter needs a default;
+    ``Annotated[float, Range(0, 1), "help"]`` validates it at ``create``. ``variants``: parameter sets that put
+    something else on the wire (the contract suites run each)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"a method name must be a non-empty string; got {name!r}")
 
@@ -82,11 +79,8 @@ def register(name: str, *, paper: str = "", override: bool = False, variants: tu
 
 
 def load_entry_points(force: bool = False) -> None:
-    """Import the methods third-party packages declare in the ``gcomp.methods`` entry-point group.
-
-    An entry point may name a module (importing it registers its methods) or a factory, which is registered
-    under the entry point's name unless it registered itself.
-    """
+    """Import the ``gcomp.methods`` entry points: a module (importing it registers its methods) or a factory
+    (registered under the entry point's name unless it registered itself)."""
     global _entry_points_loaded
     if _entry_points_loaded and not force:
         return
@@ -154,12 +148,8 @@ def method_from(name_or_method: Union[str, MethodUnit], params: dict) -> MethodU
 
 
 def parse_spec(text: str) -> tuple[str, dict]:
-    """Split a method spec, ``name`` or ``name:key=value,...`` (``"topk:ratio=0.05"``), into the name and its
-    parameters, each value typed by the parameter's declared type (a bool is true, false, 1 or 0).
-
-    Only the text is checked here: an unknown name raises ``UnknownMethodError`` with the closest names, an
-    unknown key or a value not of its type ``ValueError``; ``create`` validates the values themselves.
-    """
+    """``"topk:ratio=0.05"`` (or a bare name) -> the name and its parameters, each typed by its declaration (a bool
+    is true, false, 1 or 0). Only the text is checked; ``create`` validates the values."""
     text = text.strip()
     name, _, rest = text.partition(":")
     declared = _spec(name).params
@@ -183,8 +173,7 @@ def parse_spec(text: str) -> tuple[str, dict]:
 
 
 def spec_argument(text: str) -> tuple[str, dict]:
-    """``parse_spec`` as an argparse ``type``: a bad spec is a usage error that keeps its message (argparse
-    would replace a ValueError's with "invalid value")."""
+    """``parse_spec`` as an argparse ``type`` (argparse would replace a ValueError's message with "invalid value")."""
     import argparse
 
     try:
@@ -233,15 +222,9 @@ def describe(name: str) -> str:
 
 @dataclass(frozen=True)
 class Nested:
-    """Another registered method, as a parameter's value: a spec ``name`` or ``name:key=value,...`` (the grammar
-    of ``gcomp bench --method``: ``"topk:ratio=0.05"``) or a ``Method`` made by ``gcomp.create``.
-
-    Validating the value checks the name and the method's own parameters (their messages prefixed with this
-    parameter's) and returns its canonical spec: the name, then the parameters off their defaults in declared
-    order (``"topk:ratio=0.05"``; ``"topk"`` for the defaults). So the parameter holds plain text, which prints,
-    compares and checkpoints like any other value, and the factory creates the method from it: a ``Method``
-    given is created again from its name and parameters, with fresh state.
-    """
+    """Another registered method as a parameter's value: a spec (``"topk:ratio=0.05"``) or a ``Method`` made by
+    ``gcomp.create``. Validation returns its canonical spec (the parameters off their defaults, in declared order),
+    plain text that prints, compares and checkpoints; the factory creates the method anew from it."""
 
     def __str__(self) -> str:
         return "a method spec (name or name:key=value,...) or a Method from gcomp.create"

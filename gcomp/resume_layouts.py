@@ -1,18 +1,7 @@
-"""A resumed run's first buckets, reduced as the run that was saved laid them out.
+"""A resumed run's first buckets, reduced as the saved run laid them out (docs/checkpoints-and-faults.md).
 
-DDP builds a fresh model's first buckets from the parameters' registration order (without
-``find_unused_parameters``: one bucket per dtype holding every parameter), and rebuilds them after its first
-step (its second with ``static_graph``) in the order the gradients became ready, split by ``bucket_cap_mb``. A
-run that never stopped is on the rebuilt buckets; a run resumed from its checkpoint starts again on the first
-ones. A method whose result depends on the layout (random positions or draws taken in bucket order, a top-k
-per bucket, per-layout state such as pactrain's tracker) would then take another step there, and the resumed run
-would leave the trajectory of the one that never stopped.
-
-So the hook state saves the layouts of its last step (``SavedLayouts.state``), and in a resumed run, for as
-many steps as DDP keeps its first buckets, a bucket holding exactly the parameters of several saved layouts (or
-of one, in another order) is cut into them: each is copied out in its saved order and reduced on its own, in
-the saved order of buckets, and the results are copied back. One copy of the bucket each way, on those steps
-only; from DDP's rebuild on, the buckets are the saved ones again.
+For as many steps as a fresh DDP keeps its first buckets, a bucket holding exactly the parameters of saved layouts
+is cut into them, each reduced on its own in the saved order, and put back: one copy each way, on those steps only.
 """
 from __future__ import annotations
 
@@ -26,8 +15,7 @@ Piece = tuple[BucketInfo, list[tuple[int, int]]]
 
 
 class SavedLayouts:
-    """A loaded checkpoint's bucket layouts (``loaded``), for the ``left`` first steps of the resumed run (module
-    docstring); the hook state keeps its own last step's."""
+    """A loaded checkpoint's bucket layouts (``loaded``), for the ``left`` first steps of the resumed run."""
 
     def __init__(self):
         self.loaded: list[tuple[int, tuple[str, ...]]] = []  # (bucket index, names) of a loaded checkpoint

@@ -1,6 +1,5 @@
-"""``RunState``: what every gcomp state keeps, written once: the method, the statistics, the step count, the
-install-time agreement and the checkpoints (save, gather, load). The DDP hook's ``HookState``, FSDP2's
-``FSDPState`` and HSDP's ``ReplicaState`` are run states; each adds only how its calls arrive."""
+"""``RunState``: what every gcomp state keeps (the method, statistics, step count, install-time agreement and
+checkpoints); ``HookState``, ``FSDPState``, ``ReplicaState`` and ``DiLoCo`` add only how their calls arrive."""
 from __future__ import annotations
 
 import warnings
@@ -10,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from gcomp import checkpoint
-from gcomp.agreement import agree, global_ranks
+from gcomp.agreement import agree, collective_device, global_ranks
 from gcomp.collectives.launch import COUNTER_KEYS
 from gcomp.method import MethodUnit
 
@@ -37,13 +36,12 @@ def method_spec(method: MethodUnit) -> str:
 
 
 class RunState:
-    """The method, its ``stats`` (a plain dict, summed over steps and calls, this rank only; ``HookState`` says
-    what each key counts), ``iteration`` (steps taken, a resumed checkpoint's included) and checkpoints in
-    ``gcomp.checkpoint``'s format, every rank's part its own.
+    """The method, its ``stats`` (docs/statistics.md), ``iteration`` (steps taken, a resumed checkpoint's
+    included) and checkpoints in ``gcomp.checkpoint``'s format.
 
-    A subclass sets ``group`` and calls ``join(model)`` once the process group exists, and counts steps with
-    ``count_step`` (or ``count_step_of_backward``); ``_numels`` maps each parameter name of the per-parameter state
-    to its number of entries, for the checks at load; ``kind`` names the state in its checkpoint format.
+    A subclass calls ``join(model)`` once the process group exists and counts steps with ``count_step`` (or
+    ``count_step_of_backward``); ``_numels`` maps each parameter name of the per-parameter state to its number of
+    entries (checked at load); ``kind`` names the state in its checkpoint format.
     """
 
     kind = "ddp"
@@ -64,10 +62,9 @@ class RunState:
     # --- joining the process group ----------------------------------------------------------------------------
 
     def join(self, model: torch.nn.Module | None) -> None:
-        """Know the group's size and this rank, check that every rank is about to run the same thing (one
-        all-gather of ``agreement_fields``: a ``ValueError`` on every rank naming the first field that differs),
-        bind the method, and run its install-time agreement: one MAX all-reduce of ``method.install_flags()``
-        (pactrain's digest of the masks), here, since a method never calls a collective."""
+        """Check that every rank runs the same thing (``gcomp.agreement`` of ``agreement_fields``), bind the method,
+        and run its install-time agreement: a MAX all-reduce of ``method.install_flags()`` (a method never calls a
+        collective itself)."""
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         agree(f"gcomp ({type(self).__name__} of {self.method.name})", self.agreement_fields(model), self.group,
               FIXES)
@@ -75,16 +72,13 @@ class RunState:
         flags = self.method.install_flags()
         if flags is None:
             return
-        if dist.get_backend(self.group) == "nccl":  # NCCL reduces CUDA tensors only
-            flags = flags.to(torch.device("cuda", torch.cuda.current_device()))
+        flags = flags.to(collective_device(self.group))
         dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.group)
         self.method.receive_install_flags(flags.cpu())
 
     def agreement_fields(self, model: torch.nn.Module | None) -> dict[str, str]:
-        """What every rank of the group must hold alike before a gradient moves: the method's canonical spec
-        (every parameter, defaults included: ``auto``'s allow list, trials and probe interval among them), the
-        kind of state, the process group's ranks, with a model its parameters' names and shapes (one a line), and
-        the parameters kept dense (``gcomp.dense``; "none" without a rule)."""
+        """What every rank must hold alike before a gradient moves: the method's spec (defaults included), the kind
+        of state, the group's ranks, the model's parameter names and shapes, and the parameters kept dense."""
         fields = {"method": method_spec(self.method), "state": type(self).__name__,
                   "process group": " ".join(map(str, global_ranks(self.group)))}
         if model is not None:
@@ -93,7 +87,7 @@ class RunState:
         return fields
 
     def _ensure_ready(self) -> None:
-        """Joined to the process group before a checkpoint is taken or loaded (the DDP hook joins lazily)."""
+        """Join the process group before a checkpoint is taken or loaded (the DDP hook joins lazily)."""
 
     # --- steps --------------------------------------------------------------------------------------------------
 
@@ -102,8 +96,8 @@ class RunState:
         self.stats["steps"] += 1
 
     def count_step_of_backward(self) -> None:
-        """Count a step at the first call of each backward pass (outside one, every call is a step): FSDP's
-        reduce-scatters and HSDP's all-reduce hooks do not say which call is a step's last."""
+        """Count a step at the first call of each backward pass (outside one, at every call): FSDP's and HSDP's
+        hooks do not say which call is a step's last."""
         task = torch._C._current_graph_task_id()
         if task == -1 or task != self._backward:
             self._backward = task
@@ -117,18 +111,16 @@ class RunState:
     # --- checkpoints --------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """This rank's state, filed under its rank (``gcomp.checkpoint``): tensors, bytes and plain values only,
-        so ``torch.load(path, weights_only=True)`` reads it back. ``gather_state_dict`` holds every rank's."""
+        """This rank's state, filed under its rank (``gcomp.checkpoint``); ``weights_only=True`` loads read it."""
         self._ensure_ready()
         part = {"stats": dict(self.stats), "method": self.method.state_dict(), **self._own_extras()}
-        return {"format": checkpoint.state_format(self.kind), "method": self.method.name, "params": dict(self.method.params),
-                "world_size": self.world_size, "iteration": self.iteration,
+        return {"format": checkpoint.state_format(self.kind), "method": self.method.name,
+                "params": dict(self.method.params), "world_size": self.world_size, "iteration": self.iteration,
                 "ranks": {checkpoint.rank_key(self.rank): checkpoint.pack(part)}}
 
     def gather_state_dict(self, dst: int | None = None) -> dict | None:
-        """Every rank's state in one object (a collective: call it on every rank). With ``dst`` set, only that
-        rank (of the state's group) receives it and the others get None; by default every rank does. Save it on
-        one rank; ``load_state_dict`` of it on every rank hands each rank its own part."""
+        """Every rank's state in one object (a collective): on every rank, or with ``dst`` only on that rank of the
+        group (None elsewhere)."""
         state = self.state_dict()
         blob = state["ranks"][checkpoint.rank_key(self.rank)]
         if dst is None:
@@ -144,10 +136,8 @@ class RunState:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()`` or ``gather_state_dict()``: this rank's own part, checked before anything
-        is loaded (a bad state is a ValueError naming the key). Another rank's part is refused unless the
-        method's state is the same on every rank; a checkpoint of another world size needs every rank's part,
-        and a method that can move its state (residuals are summed, so their total is kept)."""
+        """Resume from ``state_dict()`` or ``gather_state_dict()``: this rank's own part, checked before anything is
+        loaded; every rank loads, or every rank raises (docs/checkpoints-and-faults.md)."""
         self._ensure_ready()
         error, header = None, "unreadable"
         try:
@@ -179,11 +169,11 @@ class RunState:
             raise error
 
     def _own_extras(self) -> dict:
-        """What a subclass adds to this rank's part of a checkpoint (the DDP hook: its bucket layouts)."""
+        """What a subclass adds to this rank's part of a checkpoint."""
         return {}
 
     def _warn_unused_dense(self, part: dict) -> None:
-        """A checkpoint's per-parameter state of parameters this run keeps dense is never taken up: say so once."""
+        """Warn once of a checkpoint's per-parameter state for parameters this run keeps dense."""
         if not self.dense_names:
             return
         saved = {name for tensors in self.method.parameter_state(part["method"]).values() for name in tensors}

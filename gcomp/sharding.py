@@ -1,15 +1,10 @@
 """FSDP2's reduce-scatter input as rows, one per destination shard (``ShardLayout``), and a method's per-parameter
 state moved onto another number of shards (``reshard_parameters``).
 
-FSDP2 (``foreach_reduce``) pads every gradient along dim 0 to a multiple of the shard count, cuts it into that
-many equal chunks, and lays the chunks out shard-major: row r of ``input.view(world, -1)`` is chunk r of every
-parameter, in the group's parameter order; rank r's output shard is the reduced row r. Only parameters that
-received a gradient are in it (``gcomp.fsdp`` refuses an input whose size says otherwise).
-
-Per-parameter state (residuals) covers the rank's whole input, keyed by piece, ``"<parameter>[<shard>]"``. Another
-shard count cuts it elsewhere: on a resize every old rank's per-parameter state is rewritten onto this run's pieces
-(a parameter's pieces joined, FSDP's padding dropped, cut again: the padding's gradient is zero, so nothing is held
-back there); the merge then hands old rank j to new rank j mod N, residuals summed.
+FSDP2 pads every gradient's dim 0 to a multiple of the shard count and lays the chunks out shard-major: row r of
+``input.view(world, -1)`` is chunk r of every parameter that received a gradient, and rank r's output is the
+reduced row r. Per-parameter state is keyed by piece, ``"<parameter>[<shard>]"``; a resize joins a parameter's
+pieces, drops FSDP's padding (its gradient is zero: nothing is held back there) and cuts them again.
 """
 from __future__ import annotations
 
@@ -53,15 +48,14 @@ class ShardLayout:
 
     @cached_property
     def pieces(self) -> BucketInfo:
-        """The input as a gcomp bucket: one segment per (parameter, shard), named ``"<name>[<shard>]"``, in the
-        input's own shard-major order (per-parameter state such as residuals is kept and saved by these)."""
+        """The input as a bucket: one segment per (parameter, shard), ``"<name>[<shard>]"``, shard-major."""
         names = [f"{n}[{r}]" for r in range(self.world) for n in self.names]
         return BucketInfo.from_layout(self.index, self.dtype, names, self.chunks * self.world)
 
     @cached_property
     def params(self) -> BucketInfo:
-        """The input as one segment per parameter (padded size), named as in the model: what the mask tracker
-        reads masks by. Its segments are not where the entries lie (``shard_major`` says where)."""
+        """One segment per parameter (padded size), named as in the model (masks are read by these); not where the
+        entries lie (``shard_major`` says where)."""
         return BucketInfo.from_layout(self.index, self.dtype, self.names, [c * self.world for c in self.chunks])
 
     @cached_property
@@ -95,9 +89,8 @@ def _row(layout: ShardLayout, r: int) -> BucketInfo:
 
 def reshard_parameters(method, state: dict, sizes: dict[str, torch.Size], saved: int, world: int,
                        where: str) -> None:
-    """``state`` (one old rank's method state) with its per-parameter tensors (``method.parameter_state``) moved,
-    in place, from ``saved`` shards to ``world`` (``sizes``: each parameter's unsharded size). A shard missing or
-    of the wrong size: a ValueError naming ``where``, the slot, the parameter and both sizes."""
+    """Move one old rank's per-parameter state (``method.parameter_state``), in place, from ``saved`` shards to
+    ``world`` (``sizes``: unsharded); a shard missing or of the wrong size is a ValueError naming ``where``."""
     try:
         slots = method.parameter_state(state)
     except (KeyError, TypeError, AttributeError) as err:

@@ -1,5 +1,5 @@
-"""Checks of a checkpoint's contents, shared by every part that loads one: a bad state fails at
-``load_state_dict`` with a ValueError naming the key, never at the first backward."""
+"""Checks of a checkpoint's contents: a bad state fails at ``load_state_dict`` with a ValueError naming the key,
+never at the first backward."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -17,9 +17,8 @@ def check_state_keys(owner: object, state: dict, allowed: Sequence[str]) -> None
 
 def check_state(owner: object, state: Any, required: dict[str, Any], optional: dict[str, Any] | None = None
                 ) -> None:
-    """A checkpoint's dict for ``owner``: every key of ``required`` present, no key outside ``required`` and
-    ``optional``, each value of the type its key maps to (a type or a tuple of types). Raises ValueError naming
-    the key: a bad state fails at ``load_state_dict``, never at the first backward."""
+    """``state`` is a dict with every key of ``required``, none outside ``required`` and ``optional``, each value of
+    the type (or tuple of types) its key maps to; else a ValueError naming the key."""
     name = owner if isinstance(owner, str) else type(owner).__name__
     if not isinstance(state, dict):
         raise ValueError(f"{name}: the state must be a dict, got {type(state).__name__}")
@@ -54,10 +53,8 @@ def sum_by_name(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Te
 
 
 def generator_state(owner: str, device: str, state: Any) -> torch.Tensor:
-    """``state`` checked to be what ``torch.Generator(device).set_state`` takes (a uint8 tensor of the size a
-    generator there holds), at load: a ValueError naming ``owner``, the device and both sizes, never torch's
-    RuntimeError at the first step that draws. A device this process lacks (a CUDA state resumed on a CPU) is
-    checked for its type only: it stays as it is until a generator there is used."""
+    """``state`` checked to be what ``torch.Generator(device).set_state`` takes (for a device this process lacks,
+    its type only); else a ValueError naming ``owner``, the device and both sizes."""
     where = f"{owner}: the random generator state for device {device!r}"
     try:
         place = torch.device(device)

@@ -52,8 +52,8 @@ class Topology:
 
     def groups(self, group: dist.ProcessGroup | None = None
                ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-        """``(this rank's intra-node group, the leaders' group or None on a follower)``. Collective: every rank
-        of ``group`` calls ``new_group`` for every node and for the leaders, in the same order."""
+        """``(this rank's intra-node group, the leaders' group or None on a follower)``; a collective (``new_group``
+        for every node and the leaders, on every rank of ``group``)."""
         def global_ranks(ranks):
             return [r if group is None else dist.get_global_rank(group, r) for r in ranks]
 
@@ -73,9 +73,8 @@ class Topology:
         return _made[key]
 
 
-# Node groups made so far, by (the parent group's ranks, the nodes, the timeout): a hook installed again (a new
-# DDP model, a resumed run) reuses them instead of making new ones, each with threads of its own that would
-# stay for the life of the process.
+# Node groups made so far, by (parent group's ranks, nodes, timeout): an install again reuses them rather than make
+# new ones, each with threads of its own that would stay for the life of the process.
 _made: dict[tuple, tuple] = {}
 
 

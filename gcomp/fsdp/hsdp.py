@@ -1,20 +1,10 @@
-"""HSDP through gcomp: the cross-replica all-reduce of each reduced shard goes through a gcomp method.
-
-FSDP2's native HSDP (``fully_shard`` on a 2-D mesh) runs its own all-reduce across replicas before any hook, so a
-method cannot replace it. gcomp's HSDP is the same computation built from its parts: shard on the mesh's shard
-dimension only, install the shard method, then ``replicate`` puts a hook (``set_all_reduce_hook``) on every FSDP
-module that averages its reduced shard over the replicate group through a gcomp method (``Method.reduce``, the
-DDP hook's pipeline, on the shard as one bucket)::
-
-    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
-    fully_shard(layer, mesh=mesh["shard"]) ...; fully_shard(model, mesh=mesh["shard"])
-    state = gcomp.install(model, "pactrain")                        # reduce-scatter within a replica
-    replica = gcomp.fsdp.replicate(state, mesh["replicate"].get_group(), "fp16")  # across replicas
-
-Replicas must start from the same weights (the same seed), as with native HSDP.
+"""HSDP through gcomp (docs/fsdp.md): native HSDP (``fully_shard`` on a 2-D mesh) all-reduces across replicas before
+any hook, so gcomp's is built from its parts: shard on the shard dimension only, install, then ``replicate`` hooks
+every FSDP module (``set_all_reduce_hook``) to average its reduced shard over the replicate group through a method.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Union
 
 import torch
@@ -27,10 +17,8 @@ from gcomp.run_state import RunState
 
 
 class ReplicaState(RunState):
-    """The cross-replica all-reduce of an HSDP run: on the wire, what the method sends for one bucket (its own
-    docstring; ``fp16``: the shard in 16 bits by all-reduce), per FSDP module and step, over the replicate group.
-    ``stats`` as ``HookState``'s (``buckets`` counts shard reductions); checkpoints as ``FSDPState``'s, per
-    parameter piece ``"<parameter>[<shard>]"``."""
+    """The cross-replica all-reduce of an HSDP run: on the wire, what the method sends for the reduced shard as one
+    bucket, per FSDP module and step, over the replicate group (``buckets`` counts shard reductions)."""
 
     kind = "hsdp"
 
@@ -58,14 +46,6 @@ class ReplicaState(RunState):
             flat.copy_(result.reshape(-1))
 
 
-class _Hook:
-    def __init__(self, state: ReplicaState, comm):
-        self.state, self.comm = state, comm
-
-    def __call__(self, shard: torch.Tensor) -> None:
-        self.state.reduce(self.comm, shard)
-
-
 def replicate(state: FSDPState, group: dist.ProcessGroup, name_or_method: Union[str, MethodUnit],
               **params) -> ReplicaState:
     """Average every FSDP module's reduced shard over ``group`` (the replicate dimension) through a gcomp method;
@@ -74,6 +54,6 @@ def replicate(state: FSDPState, group: dist.ProcessGroup, name_or_method: Union[
         raise RuntimeError("a replica method is already installed on this model")
     replica = ReplicaState(state, group, method_from(name_or_method, params))
     for comm in state.comms:
-        comm.module.set_all_reduce_hook(_Hook(replica, comm))
+        comm.module.set_all_reduce_hook(partial(replica.reduce, comm))
     state.replica = replica
     return replica

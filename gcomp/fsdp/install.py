@@ -24,8 +24,7 @@ def config_label(name: str, params: dict) -> str:
 
 
 def fsdp_configs() -> tuple[tuple[str, str, dict], ...]:
-    """(label, method name, parameters) of every FSDP-capable method with its defaults, then each variant it was
-    registered with (``gcomp.register(..., variants=)``: parameter sets that put something else on the wire)."""
+    """(label, method name, parameters) of every FSDP-capable method with its defaults, then with each variant."""
     return tuple((config_label(name, params), name, params) for name in fsdp_methods()
                  for params in ({}, *spec(name).variants))
 
@@ -40,17 +39,11 @@ def check_serves_fsdp(method: MethodUnit) -> None:
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     """The FSDP modules of the tree that hold parameters, in ``model.modules()`` order."""
-    out = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
-            out.append(module)
-    return out
+    return [m for m in model.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_groups]
 
 
 def check_not_served(model: torch.nn.Module, modules: list[FSDPModule]) -> None:
-    """A RuntimeError when an FSDP module of ``model`` already reduces through a gcomp state (an install on the
-    root, then on a child, or the other way round): two states would each count and checkpoint part of the
-    model."""
+    """A RuntimeError when an FSDP module of ``model`` already reduces through a gcomp state (root, then child)."""
     names = {id(m): n for n, m in model.named_modules()}
     for module in modules:
         comm = getattr(module, "_gcomp_comm", None)

@@ -15,16 +15,9 @@ from gcomp.sharding import ShardLayout
 
 
 class FSDPState(RunState):
-    """The state of gcomp's reduce-scatter on every FSDP module of one ``fully_shard``-ed model (made by
-    ``gcomp.install``): the method, statistics and checkpoints. On the wire: the method's, for FSDP's rows
-    (``Method.reduce`` with a ``ShardLayout``; ``gcomp describe NAME``).
-
-    ``stats`` has ``HookState``'s keys: ``buckets`` counts reduce-scatter calls (one per FSDP module with gradients
-    per step), ``bytes_dense`` the bytes of FSDP's own reduce-scatter input, ``warmup_steps`` and ``dense_buckets``
-    stay 0 (FSDP's layout is final from the first step); plus ``reduce_scatter_calls`` / ``reduce_scatter_bytes``.
-    Per-parameter state (residuals) is keyed ``"<parameter>[<shard>]"`` and re-sharded by parameter when a gathered
-    checkpoint resumes on another number of shards (``gcomp.sharding``), where the method can merge its state.
-    """
+    """The state of gcomp's reduce-scatter on every FSDP module of one ``fully_shard``-ed model: on the wire, the
+    method's rows (``Method.reduce`` with a ``ShardLayout``), over the shard group; per-parameter state is keyed
+    ``"<parameter>[<shard>]"`` (``gcomp.sharding``)."""
 
     kind = "fsdp"
 
@@ -40,8 +33,8 @@ class FSDPState(RunState):
         self.join(model)
 
     def divisor(self, op, group: dist.ProcessGroup, param_group) -> float | None:
-        """What FSDP's reduce op divides the sum by: None for SUM, the group's size for AVG, FSDP's gradient divide
-        factor for PREMUL_SUM (``set_gradient_divide_factor``)."""
+        """What FSDP's reduce op divides the sum by: None (SUM), the group's size (AVG), or the divide factor
+        (PREMUL_SUM, ``set_gradient_divide_factor``)."""
         if op == dist.ReduceOp.SUM:
             return None
         if op == dist.ReduceOp.AVG:
@@ -52,8 +45,8 @@ class FSDPState(RunState):
 
     def reduce_scatter(self, layout: ShardLayout, output: torch.Tensor, input: torch.Tensor,
                        group: dist.ProcessGroup, divisor: float | None) -> None:
-        """One FSDP module's reduce-scatter: the method's sum, divided as FSDP asked. A lossy method encodes the
-        mean (divided first, as DDP's hook does); a lossless one divides after the sum, as FSDP itself does."""
+        """One FSDP module's reduce-scatter, divided as FSDP asked: first for a lossy method (it encodes the mean,
+        as under DDP), after the sum for a lossless one (as FSDP itself does)."""
         self.count_step_of_backward()
         stats = self.stats
         stats["buckets"] += 1
@@ -70,9 +63,8 @@ class FSDPState(RunState):
 
 
 class GcompReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter for one FSDP module, served by the model's ``FSDPState``. FSDP calls it with its flat,
-    shard-major input, the output shard to fill, the shard group and its reduce op (AVG, PREMUL_SUM by its divide
-    factor, or SUM), synchronously inside its reduce-scatter stream: the output is complete when the call returns."""
+    """FSDP2's reduce-scatter for one FSDP module, served by the model's ``FSDPState``: synchronous (inside FSDP's
+    reduce-scatter stream, the output is complete when the call returns)."""
 
     def __init__(self, state: FSDPState, module: torch.nn.Module, index: int, names: dict[int, str]):
         self.state, self.module, self.index, self._names = state, module, index, names
@@ -93,16 +85,18 @@ class GcompReduceScatter(ReduceScatter):
             params = [p for p in self.param_group.fsdp_params if p.sharded_param.requires_grad]
             for p in params:
                 if p.fsdp_placement.dim != 0:
-                    raise ValueError(f"gcomp under FSDP2 needs parameters sharded on dim 0; "
-                                     f"{self._names.get(id(p.sharded_param))} is sharded on dim {p.fsdp_placement.dim}")
+                    name = self._names.get(id(p.sharded_param))
+                    raise ValueError(f"gcomp under FSDP2 needs parameters sharded on dim 0; {name} is sharded on dim "
+                                     f"{p.fsdp_placement.dim}")
             layout = self.layout = ShardLayout(self.index, tuple(self._names[id(p.sharded_param)] for p in params),
                                                tuple(p.sharded_param.size() for p in params), world,
                                                dist.get_rank(group), input.dtype)
         if layout.numel != input.numel():
             raise RuntimeError(f"gcomp (FSDP2): the reduce-scatter of FSDP module {self.index} got {input.numel()} "
                                f"entries, its parameters ({', '.join(layout.names)}) pad to {layout.numel}: some "
-                               "parameter took no gradient this step. Call model.set_reduce_scatter_unused_params(True) "
-                               "so that FSDP reduces a zero gradient for it and the layout stays fixed")
+                               "parameter took no gradient this step. Call "
+                               "model.set_reduce_scatter_unused_params(True) so that FSDP reduces a zero gradient for "
+                               "it and the layout stays fixed")
         return layout
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,

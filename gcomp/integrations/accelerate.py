@@ -1,23 +1,9 @@
-"""gcomp in Accelerate: install on the prepared model, and every rank's hook state in ``save_state``.
+"""gcomp in Accelerate (docs/integrations.md): install on the model ``prepare`` returned (Accelerate's
+``DistributedDataParallelKwargs(comm_hook=...)`` takes only PyTorch's own hooks), every rank's state in
+``save_state``.
 
-    from gcomp.integrations import accelerate as gcomp_accelerate
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
     state = gcomp_accelerate.install(accelerator, model, "topk", ratio=0.01)
-
-Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only PyTorch's own hooks, so gcomp goes
-on after ``prepare``, on the DDP model it returns. This helper also registers the hook state for
-checkpointing: ``accelerator.save_state`` asks every process for it and the main process writes it, so the
-file holds every rank's part (gathered); ``load_state`` hands each rank its own.
-
-Two processes on CPU: ``Accelerator(cpu=True)`` in the script and ``accelerate launch --multi_gpu
---num_processes 2 --main_process_port 0 train.py`` (or torchrun). ``accelerate launch --cpu`` starts one
-process whatever ``--num_processes`` says (it starts several only through MPI), and a plain ``Accelerator()``
-on CPU runs every launched process alone: ``install`` refuses that, naming the fix. On one process
-``prepare`` makes no DDP model: nothing is installed and a ``NotDistributed`` state is returned (``stats`` all
-zero, "not distributed: nothing compressed").
-
-DiLoCo (``gcomp.outer``): ``outer = gcomp_accelerate.diloco(accelerator, model, sync_every=50,
-method="topk:ratio=0.05")`` after ``prepare``, and ``outer.step()`` after each ``optimizer.step()``.
 """
 from __future__ import annotations
 
@@ -45,9 +31,8 @@ class GatheredHookState:
 
 
 def install(accelerator, model, name_or_method, **params) -> HookState | NotDistributed:
-    """``gcomp.install`` on a model ``accelerator.prepare`` returned, and the hook state registered with
-    ``accelerator.register_for_checkpointing`` (register in the same order when resuming, as Accelerate
-    requires). Returns the hook state, or on one process a ``NotDistributed`` state (nothing compressed)."""
+    """``gcomp.install`` on a model ``accelerator.prepare`` returned, its state registered for checkpointing (in the
+    same order when resuming); on one process a ``NotDistributed`` state."""
     alone = one_process_of_many(accelerator.num_processes)
     if alone is not None:
         method_from(name_or_method, dict(params))  # a bad name or parameter is named first
@@ -59,11 +44,8 @@ def install(accelerator, model, name_or_method, **params) -> HookState | NotDist
 
 
 def diloco(accelerator, model, sync_every: int = 50, method="identity", inner_group=None, **options):
-    """``gcomp.outer.DiLoCo`` on a model ``accelerator.prepare`` returned: the DDP model's steps kept local (or
-    within ``inner_group``: ``gcomp.outer.keep_local``), the outer state registered with
-    ``accelerator.register_for_checkpointing`` (every rank's part gathered into ``save_state``'s file). Call
-    ``outer.step()`` after each ``optimizer.step()``. ``options`` go to ``DiLoCo`` (``outer_optimizer``,
-    ``fragments``, ``overlap``, ...)."""
+    """``gcomp.outer.DiLoCo`` on a model ``accelerator.prepare`` returned: its steps kept local (or within
+    ``inner_group``), the outer state registered for checkpointing; ``options`` go to ``DiLoCo``."""
     from gcomp.outer import DiLoCo, keep_local
     from gcomp.outer.arguments import outer_method
 

@@ -1,15 +1,8 @@
-"""gcomp in Lightning: a callback that installs the hook on the strategy's DDP model, and one that runs DiLoCo.
+"""gcomp in Lightning (docs/integrations.md): ``GcompCallback`` installs the hook on the strategy's DDP model (a
+callback, since ``DDPStrategy`` registers hooks on CUDA only and saves no hook state), ``DiLoCoCallback`` runs
+DiLoCo.
 
-    from gcomp.integrations.lightning import GcompCallback
     trainer = L.Trainer(strategy="ddp", devices=2, callbacks=[GcompCallback("topk", ratio=0.01)])
-    # or DiLoCo (gcomp.outer): local steps, and every sync_every steps the outer gradient through the method
-    diloco = DiLoCoCallback(sync_every=50, method="topk:ratio=0.05")
-    trainer = L.Trainer(strategy="ddp", devices=2, callbacks=[diloco])
-
-Why a callback and not a strategy: ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`` registers the hook on
-CUDA only (on CPU it skips it without a word), and it saves no hook state in checkpoints. A callback works
-with whatever DDP strategy a user already configured, on every accelerator, and takes part in checkpoints.
-Where ``DDPStrategy`` does register hooks, ``gcomp.comm_hook`` gives what it takes.
 """
 from __future__ import annotations
 
@@ -31,18 +24,8 @@ _log = logging.getLogger("gcomp")
 
 
 class GcompCallback(Callback):
-    """Install a gcomp method on the strategy's DDP model when fitting starts, on every accelerator.
-
-    - ``callback.state`` is the ``HookState`` (None before ``fit``; on a run of one process, where there is no
-      DDP model and nothing to compress, a ``NotDistributed`` state: ``stats`` all zero, "not distributed:
-      nothing compressed");
-    - checkpoints carry every rank's hook state (gathered to rank 0, which writes the file); resuming hands
-      each rank its own part;
-    - ``log_every_n_steps`` of the trainer: ``gcomp_ratio`` (bytes a dense all-reduce would send / bytes sent,
-      so far) and ``gcomp_bytes_per_step`` (bytes this rank sent per step since the last log) through the
-      LightningModule's ``log``.
-
-    Parameters are validated when the callback is made.
+    """Install a gcomp method on the strategy's DDP model when fitting starts, log its ratio, keep its state in
+    checkpoints; ``callback.state`` is the ``HookState`` (None before ``fit``; a ``NotDistributed`` on one process).
     """
 
     def __init__(self, name_or_method, **params):
@@ -104,13 +87,10 @@ class GcompCallback(Callback):
 
 
 class DiLoCoCallback(Callback):
-    """DiLoCo (``gcomp.outer.DiLoCo``) in Lightning: the strategy's DDP model keeps its steps local (or within
-    ``inner_group``: ``gcomp.outer.keep_local``), and every ``sync_every`` optimizer steps the outer gradient is
-    reduced through ``method``. ``callback.outer`` is the ``DiLoCo`` (None before ``fit``); checkpoints carry it
-    (every rank's part gathered to rank 0). ``options`` go to ``DiLoCo`` (``outer_optimizer``, ``fragments``,
-    ``overlap``, ``group``, ...); arguments are checked when the callback is made. On the wire: the outer
-    loop's (``gcomp.outer.DiLoCo``: the method's collective every ``sync_every`` steps), and nothing per step
-    beyond ``inner_group``'s all-reduce when one is given."""
+    """``gcomp.outer.DiLoCo`` in Lightning: the strategy's DDP model keeps its steps local (or within
+    ``inner_group``), ``callback.outer`` (None before ``fit``) syncs every ``sync_every`` optimizer steps and
+    checkpoints gathered to rank 0; ``options`` go to ``DiLoCo``. On the wire: the outer loop's, and per step
+    only ``inner_group``'s all-reduce."""
 
     def __init__(self, sync_every: int = 50, method="identity", inner_group=None, **options):
         from gcomp.outer import arguments

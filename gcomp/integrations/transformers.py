@@ -1,13 +1,8 @@
-"""gcomp in the Hugging Face Trainer: one callback.
+"""gcomp in the Hugging Face Trainer: one callback (docs/integrations.md). The Trainer builds its DDP model inside
+``train`` and shows callbacks only the model inside it, so a forward pre-hook finds the DDP model running it
+(``DistributedDataParallel._get_active_ddp_module()``) and installs gcomp there, before the first backward.
 
-    from gcomp.integrations.transformers import GcompCallback
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[GcompCallback("topk", ratio=0.01)])
-
-The Trainer builds its DDP model inside ``train`` and shows callbacks only the model inside it, so the callback
-finds the DDP model at the first forward: a forward pre-hook on the model reads
-``DistributedDataParallel._get_active_ddp_module()`` (the DDP model running it) and installs gcomp there, before
-the first backward. Every rank's hook state goes into the Trainer's checkpoints as ``gcomp-rank{R}.pt`` (each
-rank writes its own, as the Trainer writes ``rng_state_{R}.pth``) and a resumed ``train`` loads it.
 """
 from __future__ import annotations
 
@@ -20,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from gcomp.agreement import collective_device
 from gcomp.hook import HookState
 from gcomp.installer import NotDistributed, install as install_hook
 from gcomp.registry import method_from
@@ -39,20 +35,10 @@ def state_file(folder, rank: int) -> Path:
 
 
 class GcompCallback(TrainerCallback):
-    """Install a gcomp method on the Trainer's DDP model, log its ratio, keep its state in checkpoints.
-
-    - ``callback.state``: the ``HookState`` once training runs (None before; on one process a
-      ``NotDistributed`` state: nothing to compress);
-    - every log gets ``gcomp_ratio`` (bytes a dense all-reduce would send / bytes sent, so far, this rank), in
-      ``trainer.state.log_history`` and in the logs of the callbacks after this one (reporters the Trainer
-      made from ``report_to`` come before user callbacks, so they do not see it);
-    - each checkpoint folder gets ``gcomp-rank{R}.pt`` from every rank; when ``train`` resumes (global step
-      above 0) every rank loads its own from the folder ``train(resume_from_checkpoint=...)`` resumes from
-      (else ``output_dir/checkpoint-{step}``), or from ``resume`` where it names a folder. A resumed run
-      whose folder holds no gcomp state is a ValueError on every rank; ``resume=False`` starts gcomp's state
-      afresh instead. One process refuses a folder holding a distributed run's gcomp state the same way.
-
-    Parameters are validated when the callback is made.
+    """Install a gcomp method on the Trainer's DDP model, log ``gcomp_ratio``, keep every rank's state in the
+    checkpoint folders (``gcomp-rank{R}.pt``); a resumed ``train`` loads it from the folder it resumes from
+    (``output_dir/checkpoint-{step}`` without one; ``resume``: another folder, or False to start afresh).
+    ``callback.state``: the ``HookState`` once training runs (None before; a ``NotDistributed`` on one process).
     """
 
     def __init__(self, name_or_method, resume: bool | str | os.PathLike = True, **params):
@@ -114,9 +100,8 @@ class GcompCallback(TrainerCallback):
 
 
 def _trainer_resume_path() -> str | None:
-    """The folder ``Trainer.train(resume_from_checkpoint=...)`` resumes from, as its training loop holds it
-    (True already resolved to the last checkpoint). Callbacks are not told it; the loop that calls them has it
-    as a parameter (transformers 4.x and 5.x), read here from the call stack."""
+    """The folder ``Trainer.train(resume_from_checkpoint=...)`` resumes from: callbacks are not told it, so it is
+    read from the call stack, where the training loop (transformers 4.x and 5.x) holds it, resolved."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_inner_training_loop" and "resume_from_checkpoint" in frame.f_locals:
@@ -129,9 +114,7 @@ def _trainer_resume_path() -> str | None:
 def _load(folder: Path, group) -> dict:
     """This rank's saved state; a folder without it on any rank is a ValueError on every rank."""
     path = state_file(folder, dist.get_rank())
-    found = torch.tensor([1 if path.is_file() else 0])
-    if dist.get_backend(group) == "nccl":  # NCCL reduces CUDA tensors only
-        found = found.cuda()
+    found = torch.tensor([1 if path.is_file() else 0], device=collective_device(group))
     dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
     if not found.item():
         raise ValueError(f"gcomp: resuming from {folder}, which holds no gcomp state for every rank "

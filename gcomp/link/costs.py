@@ -1,20 +1,7 @@
-"""The cost of one collective on a network of ``P`` ranks: the alpha-beta formulas ``gcomp simulate`` prices a
-step with (``gcomp.bench.costmodel`` says what a step counts) and ``auto`` prices each candidate method with
-(``alpha``: seconds per message, ``beta``: seconds per byte, ``n``: bytes). ``Network`` is one link type,
-``Launched`` what a step launched as a run counted it.
-
-- ring all-reduce (gloo's): ``2(P-1) * alpha + 2(P-1)/P * n * beta`` per all-reduce;
-- ring all-gather (each rank contributes ``n``): ``(P-1) * alpha + (P-1) * n * beta`` per all-gather;
-- a point-to-point round: ``alpha`` + the bytes of its busier direction times ``beta`` (at another ``P``,
-  SparDL's and gTop-k's rounds scale as ``2 ceil(log2 P)``, their bytes as ``2(P-1)/P`` and
-  ``2 ceil(log2 P)`` selections);
-- hierarchical (``M`` nodes of ``G`` ranks; its intra-node stages are not counted): ring all-reduce of the
-  dense bucket inside each node, the inner collective across the ``M`` leaders, and a tree broadcast of the
-  dense bucket inside each node (``ceil(log2 G) * (n_dense * beta_intra + alpha_intra)``);
-- a run without counts (an older one, a PyTorch hook): one collective of the step's bytes per step
-  (``comm_time``: the formulas above, SparDL ``2(P-1)/P * n * beta + 2 ceil(log2 P) * alpha``, gTop-k
-  ``2 ceil(log2 P) * (n * beta + alpha)``);
-- one worker: no communication.
+"""The alpha-beta cost of collectives on ``P`` ranks (``alpha``: seconds per message, ``beta``: seconds per byte),
+as ``gcomp simulate`` prices a step and ``auto`` each candidate (the table: docs/algorithms.md §12). ``Network`` is
+one link type; ``launched_s`` prices what a step launched as a run counted it (``Launched``), ``comm_time`` one
+collective of the step's bytes (a run without counts: an older one, a PyTorch hook). One worker costs nothing.
 """
 from __future__ import annotations
 
@@ -22,7 +9,6 @@ import math
 import numbers
 import re
 from dataclasses import dataclass
-from typing import Sequence
 
 from gcomp.core import ALLREDUCE, COLLECTIVES, HIERARCHICAL, POINT_TO_POINT
 

@@ -1,10 +1,6 @@
-"""The timed probe of a link: ``timed_allreduce_s`` times all-reduces of a given size on a process group, and
-``link_from_timings`` derives the link's ``alpha`` and ``beta`` from two of them.
-
-A ring all-reduce of ``n`` bytes over ``P`` ranks takes ``2(P-1)`` messages and moves ``2(P-1)/P * n`` bytes
-per rank, so the time of a tiny one gives the latency per message ``alpha`` and the difference of a tiny and a
-large one the seconds per byte ``beta``. ``gcomp bench``'s workers (``gcomp.bench.throughput.probe_link``) and
-``auto`` probe their links this way.
+"""The timed probe of a link (``gcomp bench``'s workers and ``auto`` use it): ``timed_allreduce_s`` times
+all-reduces on a process group, ``link_from_timings`` derives ``alpha`` from a tiny one and ``beta`` from the
+difference of a tiny and a large one.
 """
 from __future__ import annotations
 

@@ -16,9 +16,7 @@ def default_outer_optimizer(params) -> torch.optim.Optimizer:
 
 
 def outer_method(method: Union[str, MethodUnit]) -> MethodUnit:
-    """A spec (``"topk:ratio=0.05"``) or a method unit, refused when it cannot reduce a flat outer gradient: a
-    method that reads the model (pruning masks: ``pactrain``, ``prunex``) finds no model behind a bucket of
-    parameter changes."""
+    """A spec (``"topk:ratio=0.05"``) or a method unit; one that reads the model (pruning masks) is refused."""
     if isinstance(method, str):
         unit = from_spec(method)
     elif isinstance(method, MethodUnit):

@@ -1,7 +1,4 @@
-"""``DiLoCo``: the outer loop as a gcomp state. Every ``sync_every`` inner steps the outer gradient (the global
-copy minus the local parameters) is reduced through a method unit, as the DDP hook reduces a bucket; the outer
-optimizer steps the global copy and every rank's model takes it. ``gcomp.outer.fragments`` cuts the parameters
-for Streaming DiLoCo; ``gcomp.outer.saved`` is the checkpoint's outer part; ``docs/outer.md`` the guide."""
+"""``DiLoCo``: the outer loop as a gcomp state (docs/outer.md), and ``keep_local`` for a trainer's DDP model."""
 from __future__ import annotations
 
 from typing import Callable, Union
@@ -27,30 +24,12 @@ OUTER_FIXES = {**FIXES, "outer": "Make gcomp.outer.DiLoCo with the same sync_eve
 
 class DiLoCo(RunState):
     """DiLoCo (Douillard et al., 2023) and Streaming DiLoCo (Douillard et al., 2025) with any gcomp method on the
-    outer gradient. Call ``step()`` after each inner optimizer step.
+    outer gradient; call ``step()`` after each inner optimizer step (docs/outer.md: arguments, statistics).
 
-    On the wire: what the method sends for each flat bucket of the outer gradient ``Δ = θ_global − θ_local``
-    (divided by the group's size before the method reduces it to the mean), once per fragment every
-    ``sync_every`` steps, over ``group`` with the method's collective (``gcomp describe NAME``); plus, per outer
-    step, one all-gather of an int64 digest per bucket (``check_every``) and, at construction, the agreement's
-    all-gather and a broadcast of rank 0's parameters.
-
-    - ``sync_every`` (H): inner steps between two syncs of a fragment; ``fragments`` (F): Streaming DiLoCo's
-      fragments (``gcomp.outer.fragments``: fragment f syncs at inner steps ``s ≡ (f·H) // F (mod H)``);
-      ``overlap`` (τ): inner steps between launching a fragment's reduction and applying it (``0 <= τ < H/F``);
-      ``alpha``: the merge ``θ_local ← α·θ_global + (1−α)·θ_local`` (1: replace, DiLoCo's);
-    - ``outer_optimizer``: a callable ``params -> torch.optim.Optimizer`` over the global copy, one flat tensor
-      per bucket (default SGD lr 0.7, momentum 0.9, Nesterov);
-    - ``group``: the ranks the outer gradient is reduced over (default: the world). With an inner DDP inside each
-      node over ``inner_group``, pass as ``group`` the cross-node group of the ranks with this rank's local rank
-      (or the whole world): every node's replicas then hold the same parameters after each outer step, and
-      ``inner_group`` joins the construction's agreement and the bit-identity check;
-    - ``bucket_mb``: the size of the outer gradient's flat buckets (whole parameters, within a fragment);
-    - ``check_every``: check the global copy bit-identical across ranks every this many syncs (0: never).
-
-    ``stats`` (this rank; ``gcomp.hook.HookState`` says what the shared keys count, here per outer bucket):
-    ``bytes_sent``, ``bytes_dense``, ``buckets``, ``inner_steps`` (``step`` calls), ``outer_steps`` (fragment
-    syncs applied: outer steps when ``fragments`` is 1), the method's counters.
+    On the wire: what the method sends for each flat bucket of the outer gradient ``(θ_global − θ_local) / P``,
+    once per fragment every ``sync_every`` steps, over ``group`` with the method's collective; per outer step, one
+    all-gather of an int64 digest per bucket (``check_every``); at construction, the agreement's all-gather and a
+    broadcast of rank 0's parameters.
     """
 
     kind = "diloco"
@@ -140,11 +119,9 @@ class DiLoCo(RunState):
         when a fragment's reduction was launched or applied in this call."""
         self.count_step()
         s = self.stats["inner_steps"] = self.iteration
-        acted = False
-        if self._pending is not None and self._pending.apply_at <= s:
-            pending, self._pending = self._pending, None
-            self._apply(pending.fragment, pending.result())
-            acted = True
+        acted = self._pending is not None and self._pending.apply_at <= s
+        if acted:
+            self.synchronize()
         for f in due(s, self.fragments, self.sync_every):
             pending = Pending(f, s + self.overlap, future=self._launch(f))
             if self.overlap:
@@ -199,15 +176,13 @@ class DiLoCo(RunState):
     # --- checkpoints: RunState's, plus the outer part (gcomp.outer.saved) ---------------------------------
 
     def state_dict(self) -> dict:
-        """``RunState.state_dict`` (the method's state, this rank's, under its rank) and ``"outer"``: the global
-        copy, the outer optimizer, the reduction in flight (its result), the settings; replicated."""
+        """``RunState.state_dict`` and ``"outer"`` (``gcomp.outer.saved``), the part every rank shares."""
         state = super().state_dict()
         state["outer"] = saved.outer_state(self)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """``RunState.load_state_dict`` (checked on every rank, resized where the method can), then the outer
-        part, checked inside the same agreement."""
+        """``RunState.load_state_dict``, then the outer part, checked inside the same agreement."""
         if not isinstance(state, dict) or "outer" not in state:
             self._loaded = None
             inner = state
@@ -224,9 +199,8 @@ class DiLoCo(RunState):
 
 
 def local_hook(inner_group, bucket: dist.GradBucket):
-    """The communication hook of a trainer's DDP model under DiLoCo: each bucket averaged over ``inner_group`` (a
-    node's ranks), or with None left as this rank's own gradient; the outer loop is where the method sits. (No
-    return annotation: DDP would compare a postponed one with ``Future[Tensor]`` and refuse it.)"""
+    """A trainer's DDP hook under DiLoCo: each bucket averaged over ``inner_group`` (None: left as it is). (No return
+    annotation: DDP would compare a postponed one with ``Future[Tensor]`` and refuse it.)"""
     buffer = bucket.buffer()
     if inner_group is None:
         done = torch.futures.Future()

@@ -1,10 +1,5 @@
 """How ``gcomp.outer`` cuts the parameters: fragments (whole parameters, contiguous in model order, balanced by
-their number of entries), each fragment's flat buckets, the streaming schedule, and a fragment's reduction in
-flight (``Pending``).
-
-Fragment ``f`` of ``F`` syncs at the inner steps ``s >= 1`` (``s`` counts the inner steps taken, this one included)
-with ``s % H == (f * H) // F`` (``H``: ``sync_every``); with ``F = 1`` that is every ``H``-th step.
-"""
+entries), each fragment's flat buckets, the streaming schedule (docs/outer.md), and a reduction in flight."""
 from __future__ import annotations
 
 from bisect import bisect_left

@@ -1,11 +1,6 @@
-"""Every rank holds the same global copy after an outer step, bit for bit: checked with one small all-gather.
-
-Each bucket's digest is the sum (int64, wrapping) of its entries' bit patterns, on the bucket's device; the
-table of every rank's digests is one all-gather (``gcomp.agreement``'s), read on the host (one host
-synchronisation per check). Where two ranks differ, every rank saw the same table, so every rank takes a second
-all-gather of per-parameter digests and raises the same ``RuntimeError``, naming the first parameter that
-differs and the ranks on each side.
-"""
+"""Every rank holds the same global copy after an outer step, bit for bit: one all-gather of a digest per bucket
+(the int64 sum of its bit patterns), read on the host; where ranks differ, every rank saw the same table, so all
+take a second all-gather of per-parameter digests to name the first parameter that differs."""
 from __future__ import annotations
 
 import torch

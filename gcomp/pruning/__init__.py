@@ -1,5 +1,4 @@
-"""Pruning: one-shot masks (GraSP, magnitude, random) for PacTrain, and structured ADMM pruning for PruneX, both
-installed through ``torch.nn.utils.prune``. The ground floor: reducing a masked bucket is ``pactrain``'s.
+"""Pruning through ``torch.nn.utils.prune``: one-shot masks for PacTrain, structured ADMM for PruneX.
 
     from gcomp.pruning import prune, StructuredADMM
     result = prune(model, 0.5, "grasp", data=(inputs, targets))   # before wrapping the model in DDP

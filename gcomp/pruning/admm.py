@@ -1,16 +1,6 @@
-"""Structured pruning by ADMM during training (PruneX's H-SADMM; docs/algorithms.md §10.3).
-
-    admm = StructuredADMM(model, sparsity=0.6, rho=0.01, interval=50)   # on every rank, before or after DDP
-    for x, y in data:
-        loss = criterion(ddp(x), y) + admm.penalty()      # + rho/2 * ||W - Z + U||^2
-        loss.backward(); optimizer.step(); optimizer.zero_grad()
-        admm.step()                                       # every `interval` steps: Z = proj(W + U), U += W - Z
-    result = admm.prune()                                 # hard prune: masks = support(Z)
-
-The consensus is the replicated model itself: DDP keeps W identical on every rank, so each rank computes the
-same Z and U locally; only the kept groups' bits are broadcast from ``src`` at each projection, so that every
-rank (every node leader included) holds the same mask whatever its floating-point rounding.
-"""
+"""Structured pruning by ADMM during training (PruneX's H-SADMM; docs/prunex.md, docs/algorithms.md §10.3). DDP
+keeps W identical on every rank, so each computes Z and U locally; only the kept groups are broadcast from ``src``
+at each projection, so every rank holds the same mask whatever its floating-point rounding."""
 from __future__ import annotations
 
 import math
@@ -24,10 +14,9 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils import prune as torch_prune
 
 from gcomp.pruning.masks import check_masks_agree, comm_device, is_distributed, mask_of, masks_digest, top_mask
-from gcomp.pruning.prune import PruneResult
+from gcomp.pruning.prune import _LAYERS, PruneResult, _orig
 
 STRUCTURES = ("filters", "channels")
-_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
 
 @dataclass
@@ -44,21 +33,12 @@ class _Target:
     keep: torch.Tensor  # bool per group: the support of Z
 
 
-def _weight(module: nn.Module) -> nn.Parameter:
-    return module._parameters.get("weight_orig", module._parameters.get("weight"))
-
-
 class StructuredADMM:
-    """ADMM towards a model whose targeted layers keep ``1 - sparsity`` of their filters (or input channels).
-
-    ``structure``: ``"filters"`` (dim 0 of each weight, with the filter's bias entry) or ``"channels"``
-    (dim 1). ``layers``: names of the Conv1d/2d/3d and Linear modules to prune; by default all of them but
-    the last (``"filters"``: the classifier's outputs are the classes) or the first (``"channels"``: the
-    input's channels). Each targeted layer keeps ``max(1, round((1 - sparsity) * groups))`` groups: the
-    largest by L2 norm of ``W + U`` (ties: the lower index).
-
-    Call it on every rank of ``group``, in the same order: the projection broadcasts its kept groups from
-    rank ``src``. ``rho`` is multiplied by ``rho_growth`` at each projection.
+    """ADMM towards a model whose targeted layers keep ``1 - sparsity`` of their filters (dim 0, with the filter's
+    bias entry) or input channels (``structure="channels"``, dim 1): ``max(1, round((1 - sparsity) * groups))``
+    groups, the largest by L2 norm of ``W + U`` (ties: the lower index). ``layers``: the Conv/Linear modules to
+    prune, by default all but the last (filters) or the first (channels). Call it on every rank of ``group`` in
+    the same order (a broadcast from ``src`` per projection); ``rho`` grows by ``rho_growth`` per projection.
     """
 
     def __init__(self, model: nn.Module, sparsity: float = 0.6, *, rho: float = 0.01, interval: int = 50,
@@ -74,9 +54,9 @@ class StructuredADMM:
     def _target(self, name: str, module: nn.Module) -> _Target:
         if "weight_orig" in module._parameters:
             raise ValueError(f"layer {name!r} is already pruned; StructuredADMM starts from an unpruned model")
-        weight = _weight(module)
+        weight = _orig(module)
         bias = module._parameters.get("bias") if self.structure == "filters" else None
-        dim = 0 if self.structure == "filters" else 1
+        dim = self._dim
         if weight.dim() < dim + 1 or weight.size(dim) == 0:
             raise ValueError(f"layer {name!r} has no {self.structure} to prune (weight shape {tuple(weight.shape)})")
         groups = weight.size(dim)
@@ -86,6 +66,16 @@ class StructuredADMM:
                        zeros(weight, requires_grad=False), None if bias is None else zeros(bias, requires_grad=False),
                        None if bias is None else zeros(bias, requires_grad=False),
                        torch.ones(groups, dtype=torch.bool, device=weight.device))
+
+    @property
+    def _dim(self) -> int:
+        return 0 if self.structure == "filters" else 1
+
+    def _along(self, t: _Target) -> list[int]:
+        """The shape that broadcasts a per-group tensor along ``t``'s weight."""
+        shape = [1] * t.weight.dim()
+        shape[self._dim] = -1
+        return shape
 
     # --- per step ---------------------------------------------------------------------------------------------
 
@@ -114,7 +104,7 @@ class StructuredADMM:
     @torch.no_grad()
     def update(self, dual: bool = True) -> None:
         """``Z = proj(W + U)``, then ``U = U + W - Z`` (with ``dual=False``, U stays 0: the initial Z)."""
-        dim = 0 if self.structure == "filters" else 1
+        dim = self._dim
         keeps = []
         for t in self.targets:
             x_weight, x_bias = t.weight + t.u_weight, None if t.bias is None else t.bias + t.u_bias
@@ -125,10 +115,8 @@ class StructuredADMM:
         keeps = self._agree(keeps)
         for t, keep in zip(self.targets, keeps):
             t.keep = keep
-            shape = [1] * t.weight.dim()
-            shape[dim] = -1
             x_weight = t.weight + t.u_weight
-            torch.mul(x_weight, keep.view(shape), out=t.z_weight)
+            torch.mul(x_weight, keep.view(self._along(t)), out=t.z_weight)
             if dual:
                 torch.sub(x_weight, t.z_weight, out=t.u_weight)
             if t.bias is not None:
@@ -153,12 +141,9 @@ class StructuredADMM:
     def pruned_norm(self) -> float:
         """``||W|| on the groups outside support(Z) / ||W||`` over the targets: what a hard prune would cut."""
         cut = whole = 0.0
-        dim = 0 if self.structure == "filters" else 1
         for t in self.targets:
-            shape = [1] * t.weight.dim()
-            shape[dim] = -1
             dropped = ~t.keep
-            cut += float((t.weight * dropped.view(shape)).double().pow(2).sum())
+            cut += float((t.weight * dropped.view(self._along(t))).double().pow(2).sum())
             whole += float(t.weight.double().pow(2).sum())
             if t.bias is not None:
                 cut += float((t.bias * dropped).double().pow(2).sum())
@@ -169,21 +154,14 @@ class StructuredADMM:
 
     @torch.no_grad()
     def prune(self, optimizer: torch.optim.Optimizer | None = None) -> PruneResult:
-        """Hard prune: mask every targeted weight (and bias) to support(Z), through ``torch.nn.utils.prune``
-        (so the pruned groups' gradients are exactly zero from now on), and check all ranks hold the same
-        masks. A hook installed before (``prunex``, ``pactrain``) notices the new masks by itself.
-
-        Pass the ``optimizer`` to zero its per-parameter state (momentum, Adam's moments) on the pruned
-        groups too: otherwise momentum keeps moving the pruned ``weight_orig`` entries (the model itself is
-        unaffected: it uses ``weight_orig * mask``)."""
+        """Hard prune every target to support(Z) through ``torch.nn.utils.prune`` and check all ranks hold the same
+        masks; ``optimizer``: its per-parameter state is zeroed on the pruned groups too (else momentum keeps
+        moving the pruned ``weight_orig`` entries)."""
         if self.pruned:
             raise RuntimeError("StructuredADMM.prune() was already called")
-        dim = 0 if self.structure == "filters" else 1
         masks, removed, total = {}, 0, 0
         for t in self.targets:
-            shape = [1] * t.weight.dim()
-            shape[dim] = -1
-            for attr, param, keep in (("weight", t.weight, t.keep.view(shape)), ("bias", t.bias, t.keep)):
+            for attr, param, keep in (("weight", t.weight, t.keep.view(self._along(t))), ("bias", t.bias, t.keep)):
                 if param is None:
                     continue
                 mask = keep.expand_as(param).to(param.dtype).contiguous()

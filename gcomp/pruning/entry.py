@@ -1,18 +1,11 @@
-"""Before a collective helper's first collective: every rank of the group entered it, with the same arguments.
+"""Before a collective helper's first collective (``prune``): every rank of the group entered it, with the same
+arguments, asked through the group's store (no collective, alike on gloo and NCCL), so a missing rank is named at a
+short timeout instead of a wait until the group's (30 minutes by default).
 
-A helper that runs collectives (``prune``) blocks inside its first one until the group's timeout (30 minutes by
-default) when one rank never calls it, and a rank that passes other arguments gets a result it did not ask
-for without a word. ``check_entered`` asks first, through the process group's store (no collective, so it works
-alike on gloo and NCCL): each rank writes its arguments under a key of its own, then waits, with a short
-timeout of its own, for every other rank's key. A rank missing at the timeout is named in a RuntimeError on
-every rank that waited; arguments that differ are a ValueError on every rank, naming the first field that
-differs and the ranks on each side.
-
-Keys are numbered per group, epoch and call. A call every rank entered moves the call number on (its keys
-are deleted at the next call, when every rank has surely read them: the helper's collectives lie between). A
-call that timed out moves the group's epoch on instead (a counter in the store): the next call of every rank,
-the one that never came included, starts afresh in the new epoch, and a rank arriving late at the failed call
-waits for keys no one writes any more, and says so at its own timeout, instead of going on alone.
+Keys are numbered per group, epoch and call. A call every rank entered moves the call number on (its keys are
+deleted at the next call, when every rank has surely read them). A call that timed out moves the group's epoch on
+(a counter in the store): every rank's next call starts afresh, and a rank late to the failed one waits for keys no
+one writes any more, and says so at its own timeout, instead of going on alone.
 """
 from __future__ import annotations
 
@@ -26,8 +19,8 @@ _calls: dict[str, tuple[int, int]] = {}  # per (helper, group): (epoch, calls ev
 
 
 def check_entered(what: str, group, fields: dict[str, object], timeout: float) -> None:
-    """Return once every rank of ``group`` (None: the world) called ``what`` with equal ``fields`` (numbers by
-    value, anything else by ``repr``); else raise on every rank that called it, within ``timeout`` seconds (see the module docstring)."""
+    """Return once every rank of ``group`` (None: the world) called ``what`` with equal ``fields``; else a
+    RuntimeError naming the ranks missing after ``timeout`` seconds, or a ValueError naming the field that differs."""
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     ranks, me = dist.get_process_group_ranks(group), dist.get_rank()
     store = _store(group)
@@ -63,8 +56,7 @@ def check_entered(what: str, group, fields: dict[str, object], timeout: float) -
 
 
 def _said(value) -> str:
-    """How a field is compared and named: a number by its value (``200``, ``200.0`` and a NumPy ``200.0`` alike),
-    anything else by its ``repr``."""
+    """A field as compared: a number by its value (``200``, ``200.0`` and NumPy's alike), anything else by ``repr``."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         value = float(value)
         return repr(int(value)) if value.is_integer() else repr(value)

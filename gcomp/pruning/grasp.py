@@ -44,12 +44,8 @@ def _occurrence(y: torch.Tensor) -> torch.Tensor:
 
 
 def class_balanced_sample(data: Data, samples_per_class: int, num_classes: int) -> Batch:
-    """The first ``samples_per_class`` examples of every class, in data order, then ordered by class.
-
-    Batches are read until every one of ``num_classes`` classes is full or the data ends (a class with fewer
-    examples contributes what it has). Ordering by class follows the reference ``GraSP_fetch_data``, so its
-    two halves hold different classes.
-    """
+    """The first ``samples_per_class`` examples of every class (read until all are full or the data ends), then
+    ordered by class, as the reference ``GraSP_fetch_data`` (its two halves hold different classes)."""
     counts = torch.zeros(num_classes, dtype=torch.int64)
     xs, ys = [], []
     for batch in _batches(data):
@@ -105,11 +101,8 @@ def _grads(out: torch.Tensor, weights: Sequence[torch.Tensor], create_graph: boo
 
 def hessian_gradient_product(model: nn.Module, weights: Sequence[torch.Tensor], inputs: torch.Tensor,
                              targets: torch.Tensor, temperature: float) -> list[torch.Tensor]:
-    """``H g`` for the loss ``CE(model(X1)/T, y1) + CE(model(X2)/T, y2)`` over the two halves of the batch.
-
-    ``weights`` are tensors of ``model`` that require grad; ``g`` is the (detached) gradient of that loss
-    with respect to them and ``H`` its Hessian. Uses ``torch.autograd.grad`` only: ``.grad`` is untouched.
-    """
+    """``H g`` of the loss ``CE(model(X1)/T, y1) + CE(model(X2)/T, y2)`` over the batch's two halves, for
+    ``weights`` (``g`` detached); ``.grad`` is untouched."""
     n = inputs.shape[0]
     halves = [(inputs[a:b], targets[a:b]) for a, b in ((0, n // 2), (n // 2, n)) if b > a]
     g = [torch.zeros_like(w) for w in weights]
@@ -129,11 +122,8 @@ def hessian_gradient_product(model: nn.Module, weights: Sequence[torch.Tensor], 
 
 def grasp_scores(model: nn.Module, weights: Sequence[torch.Tensor], data: Data, temperature: float,
                  samples_per_class: int) -> list[torch.Tensor]:
-    """``-theta * (H g)`` for each of ``weights`` (tensors of ``model`` that require grad), on a class-balanced
-    sample of ``data`` (``samples_per_class`` per class; the class count is the width of the model's output).
-
-    Runs ``model`` as it is (its mode, its parameters): callers that must not disturb a model pass a copy.
-    """
+    """``-theta * (H g)`` for each of ``weights`` on a class-balanced sample of ``data`` (the class count is the
+    model's output width); runs ``model`` as it is: callers that must not disturb it pass a copy."""
     device = weights[0].device
     batches = iter(_batches(data))  # read once: data may be a one-shot iterator
     first = next(batches, None)

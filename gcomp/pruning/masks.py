@@ -1,12 +1,5 @@
-"""Where a model's pruning masks live, how one is chosen from scores, and a digest that tells whether two ranks
-hold the same ones (``check_masks_agree`` compares it across a process group).
-
-gcomp prunes through ``torch.nn.utils.prune``: a pruned ``weight`` becomes the Parameter ``weight_orig`` and
-the buffer ``weight_mask``, and the forward uses ``weight_orig * weight_mask``. The gradient of ``weight_orig``
-is therefore zero wherever the mask is zero on every rank (gradient sparsity enforcement, PacTrain eq. 2),
-and the mask, not a rank's own gradient zeros, is the support every rank agrees on. The masks are buffers as large
-as their weights, which DDP would broadcast at every forward: ``no_buffer_sync`` says how to stop it.
-"""
+"""Where a model's pruning masks live (``torch.nn.utils.prune``'s ``weight_orig`` and buffer ``weight_mask``), how
+one is chosen from scores, and a digest that tells whether ranks hold the same ones (``check_masks_agree``)."""
 from __future__ import annotations
 
 import functools
@@ -28,11 +21,8 @@ _DIGEST_P = 4294967291
 
 
 def mask_of(model: nn.Module, param_name: str) -> torch.Tensor | None:
-    """The mask buffer of the parameter ``param_name`` (a ``named_parameters()`` name), or None if unpruned.
-
-    A name taken before the model was pruned (``"conv.weight"``, which pruning renamed ``"conv.weight_orig"``)
-    finds the mask too: a hook installed before pruning still sees it.
-    """
+    """The mask buffer of the parameter ``param_name``, or None if unpruned; a name taken before pruning renamed it
+    (``"conv.weight"`` for ``"conv.weight_orig"``) finds it too, so a hook installed before pruning sees it."""
     module_name, _, attr = param_name.rpartition(".")
     try:
         module = model.get_submodule(module_name) if module_name else model
@@ -101,10 +91,8 @@ def comm_device(group, fallback: torch.device) -> torch.device:
 
 
 def check_masks_agree(masks, group=None) -> tuple[int, int]:
-    """Raise RuntimeError unless every rank of ``group`` holds the same ``masks`` (a sequence, same order).
-
-    One all-reduce MAX of ``[digest, -digest]``; returns this rank's digest ``(hash, kept count)``.
-    """
+    """This rank's digest ``(hash, kept count)`` of ``masks``, or a RuntimeError unless every rank of ``group``
+    holds the same (one MAX all-reduce of ``[digest, -digest]``)."""
     masks = list(masks)
     d = masks_digest(masks)
     dev = comm_device(group, masks[0].device if masks else torch.device("cpu"))
@@ -123,20 +111,9 @@ def _has_forward_sync_buffers() -> bool:
 
 
 def no_buffer_sync() -> dict:
-    """DDP keyword arguments that stop DDP from broadcasting the module's buffers from rank 0 at every forward.
-
-    Pruned models need them: DDP would otherwise re-send every mask at every forward (``prune`` makes them equal on
-    every rank already). Use as ``DistributedDataParallel(model, **no_buffer_sync())``.
-
-    - torch 2.13 and later: ``{"forward_sync_buffers": False}``. ``broadcast_buffers`` is deprecated there
-      (a FutureWarning at every construction). The buffers are still broadcast once, from rank 0, when DDP is
-      built (``init_sync``), unlike with ``broadcast_buffers=False``: buffers that must differ between ranks
-      from the start have to be set after DDP is built.
-    - older torch, whose DDP has no ``forward_sync_buffers``: ``{"broadcast_buffers": False}`` (no buffer sync
-      at construction either).
-
-    The choice is made from DDP's signature, not from the version number.
-    """
+    """DDP keyword arguments that stop DDP re-sending every buffer (every mask) from rank 0 at each forward:
+    ``{"forward_sync_buffers": False}`` where DDP's signature has it (torch 2.13 on; it still broadcasts them
+    once, when DDP is built), else ``{"broadcast_buffers": False}`` (docs/pactrain.md)."""
     if _has_forward_sync_buffers():
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}

@@ -1,13 +1,6 @@
-"""One-shot unstructured pruning (PacTrain Phase A): rank weights, keep the top, install masks on every rank.
-
-Masks go in through ``torch.nn.utils.prune.custom_from_mask``: each pruned ``weight`` becomes the Parameter
-``weight_orig`` and the buffer ``weight_mask``, so the gradient of a pruned weight is exactly zero (gradient
-sparsity enforcement). ``weight_orig`` is also zeroed where the mask is zero, so weight decay, Adam(W) and
-``prune.remove`` all keep pruned weights at exactly 0.
-
-Under ``torch.distributed`` one rank (``src``) computes the masks and broadcasts them; every rank then checks
-that all ranks hold the same masks (a digest, all-reduced), so the packed all-reduce can rely on one support.
-"""
+"""One-shot unstructured pruning (PacTrain Phase A, docs/pactrain.md): rank weights, keep the top, install masks
+on every rank (``custom_from_mask``; ``weight_orig`` is zeroed where the mask is, so weight decay, Adam(W) and
+``prune.remove`` keep pruned weights at exactly 0)."""
 from __future__ import annotations
 
 import copy
@@ -33,12 +26,8 @@ _LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
 @dataclass(frozen=True)
 class PruneResult:
-    """What :func:`prune` did.
-
-    ``masks``: ``{parameter name: mask}`` (names as in ``named_parameters()`` after pruning, e.g.
-    ``"0.weight_orig"``; the tensors are the model's own mask buffers). ``removed`` and ``total`` count the
-    prunable weights; ``digest`` is :func:`gcomp.pruning.masks_digest` of the masks, equal on every rank.
-    """
+    """What :func:`prune` did: ``masks`` (``{"0.weight_orig": the model's mask buffer, ...}``), ``removed`` and
+    ``total`` prunable weights, and ``digest`` (``masks_digest`` of the masks, equal on every rank)."""
 
     masks: dict[str, torch.Tensor]
     removed: int
@@ -205,19 +194,14 @@ def prune(model: nn.Module, ratio: float, method: str = "grasp", data=None, scop
           include_embeddings: bool = False, seed: int = 0, enter_timeout: float = 60.0) -> PruneResult:
     """Prune the ``weight`` of every Conv1d/2d/3d and Linear (and Embedding if ``include_embeddings``).
 
-    ``ratio``: the fraction of those weights pruned afterwards, in [0, 1); exactly ``round(ratio * n)`` are
-    removed over all of them (``scope="global"``) or in each layer (``scope="layer"``). Already pruned
-    weights stay pruned and count towards it. ``method``: ``"grasp"`` (largest ``-theta * Hg`` removed, needs
-    ``data``: a tuple (inputs, targets) or an iterable of them, cross-entropy on the model's logits, scored
-    on an eval-mode copy), ``"magnitude"`` (smallest ``|w|``) or ``"random"`` (seeded by ``seed``).
+    ``ratio`` in [0, 1): exactly ``round(ratio * n)`` of them are pruned afterwards, over all (``scope="global"``)
+    or per layer (``"layer"``), already pruned ones included. ``method``: ``"grasp"`` (largest ``-theta * Hg``
+    removed, on an eval-mode copy; needs ``data``, a tuple (inputs, targets) or an iterable of them),
+    ``"magnitude"`` (smallest ``|w|``) or ``"random"`` (seeded by ``seed``).
 
-    If ``torch.distributed`` is initialized and ``group`` has several ranks, rank ``src`` computes the masks
-    (only it needs ``data``) and broadcasts them, and all ranks check they hold the same ones. Call it on
-    every rank of ``group``, before wrapping the model in DDP: each rank first checks, through the group's store,
-    that every other rank entered ``prune`` within ``enter_timeout`` seconds (else a RuntimeError names the
-    ranks missing, instead of a wait until the group's timeout) and passed the same ``ratio``, ``method``,
-    ``scope``, ``temperature``, ``samples_per_class``, ``include_embeddings`` and ``src`` (else a ValueError
-    names the field); ``data`` and ``seed`` are read on ``src`` only and may differ.
+    With several ranks in ``group``, call it on every one, before DDP: each checks that all entered within
+    ``enter_timeout`` seconds with the same arguments (``data`` and ``seed`` aside: only ``src`` reads them),
+    then ``src`` computes the masks and broadcasts them, and all ranks check they hold the same ones.
     """
     if isinstance(enter_timeout, bool) or not isinstance(enter_timeout, numbers.Real) \
             or not 0 < enter_timeout < math.inf:
