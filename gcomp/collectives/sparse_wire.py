@@ -170,7 +170,7 @@ class SparseWire:
     """How values and positions travel: ``positions`` (``POSITIONS``) and ``values`` (``VALUES``). Tensors, in
     order: the values, the positions (one code, or raw), fp8's scale."""
 
-    positions: str = "coded"
+    positions: str = "raw"
     values: str = "fp32"
 
     def __post_init__(self):

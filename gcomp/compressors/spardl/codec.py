@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from gcomp.collectives.program import ProgramCtx, ScheduledCompressor
 from gcomp.collectives.sparse_wire import SparseWire
@@ -91,12 +92,9 @@ class SparDLCompressor(ScheduledCompressor):
         if world % self.teams:
             raise ValueError(f"spardl: parameter 'teams' must divide the number of workers ({world}); "
                              f"got {self.teams!r}")
-
-    def encode(self, x, state, layout):
-        if isinstance(layout, ShardLayout) and self.teams != 1:
+        if self.teams != 1 and isinstance(model, FSDPModule):
             raise ValueError(f"spardl under FSDP2 takes teams=1 (its Spar-All-Gather across teams has no place in a "
                              f"reduce-scatter); got teams={self.teams}")
-        return super().encode(x, state, layout)
 
     def geometry(self, numel: int, world: int) -> tuple[int, int, int]:
         """``(blocks Q, block size B, entries per block k)`` of a bucket of ``numel`` on ``world`` workers."""

@@ -81,7 +81,7 @@ class DGCCompressor(SparseCompressor):
         tensors, order, _, sent = self.wire.encode(index[None], torch.where(real, v[index], 0)[None], n)
         v.index_add_(0, order.view(-1), sent.view(-1), alpha=-1)  # what rounding took off stays; padding adds 0
         if self.masking:  # the padding multiplies by 1
-            u.index_reduce_(0, index, real.logical_not().to(u.dtype), "prod")
+            u.scatter_reduce_(0, index, real.logical_not().to(u.dtype), "prod")
         for t in (u, v):  # a non-finite entry left behind would poison every later step
             torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
         return Payload(tensors, SparseCtx(n, x.dtype, index.numel())), state

@@ -42,12 +42,19 @@ class ThresholdCompressor(SparseCompressor, SizedCompressor):
         super().__init__(positions, values)
         self.threshold = threshold
         self.traits = Traits(ALLGATHER, LARGEST, rows=None)
-        self.bind(None, None, {})
+        self.world_size = 1
 
     def bind(self, model, group, stats) -> None:
-        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        self.world_size = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @world_size.setter
+    def world_size(self, world: int) -> None:
         # the threshold as a magnitude key of each dtype (a Python integer: compared exactly, no copy to a device)
-        self.world_size, self.floors = world, {dtype: int(magnitude_keys(torch.tensor(
+        self._world, self.floors = world, {dtype: int(magnitude_keys(torch.tensor(
             floor_to(self.threshold / world, dtype), dtype=dtype))) for dtype in _FLOATS}
 
     def encode(self, x, state, layout):
