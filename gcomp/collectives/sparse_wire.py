@@ -23,11 +23,13 @@ import torch
 
 from gcomp.bucket import index_dtype
 from gcomp.collectives import bitpack
+from gcomp.core import LARGEST, Fidelity
 from gcomp.params import OneOf
 
 VALUES = ("fp32", "bf16", "fp16", "fp8_e4m3")
 POSITIONS = ("coded", "raw")
 _NARROW = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
+_ROUNDING = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp8_e4m3": 2.0 ** -4}  # relative, of a value (fp8: near the top)
 FP8_MAX = 448.0
 BITMAP, ELIAS_FANO = "bitmap", "elias_fano"
 
@@ -178,6 +180,11 @@ class SparseWire:
             raise ValueError(f"positions must be one of {', '.join(POSITIONS)}; got {self.positions!r}")
         if self.values not in VALUES:
             raise ValueError(f"values must be one of {', '.join(VALUES)}; got {self.values!r}")
+
+    @property
+    def fidelity(self) -> Fidelity:
+        """Sent entries exactly (``fp32``), or within the narrow dtype's rounding: the ``largest`` kind."""
+        return LARGEST if self.values == "fp32" else Fidelity("largest", _ROUNDING[self.values])
 
     def sections(self, n: int, k: int, dtype: torch.dtype, count: int = 1) -> list[tuple[torch.dtype, int]]:
         """The ``(dtype, numel)`` of each tensor of ``count`` sets of ``k`` entries into ``n``."""

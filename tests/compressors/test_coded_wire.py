@@ -115,7 +115,8 @@ def test_topk_at_ratio_001_with_bf16_values_sends_at_most_28_bits_an_entry(n):
     k = int(n * 0.01)
 
     def wire_bytes(**params):
-        return gcomp.create("topk", **params).compressor.traits.wire_bytes(n, 4)
+        bucket = gcomp.BucketInfo.from_layout(0, torch.float32, ["w"], [n])
+        return gcomp.create("topk", **params).compressor.traits.wire_bytes(bucket, 4)
 
     assert wire_bytes(positions="raw") == 8 * k
     assert wire_bytes(values="bf16") == 2 * k + coded_bytes(n, k) <= 28 * k / 8

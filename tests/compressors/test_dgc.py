@@ -79,6 +79,9 @@ def test_warm_up_sends_k_by_the_schedule_counted_per_step():
             payload = comp.compress(torch.randn(1000), info)
             assert payload.tensors[0].numel() == k
     assert comp.state_dict()["compressor"]["steps"] == 5
+    assert comp.traits.wire_bytes is None  # the warm-up decides
+    plain = _dgc(ratio=0.01)
+    assert plain.traits.wire_bytes(infos[0], 2) == plain.compress(torch.randn(1000), infos[0]).nbytes == 10 * 8
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

@@ -116,6 +116,7 @@ def test_every_rank_draws_the_same_distinct_positions(n, ratio, dtype, seed):
             assert torch.equal(p.ctx.index, index), f"step {step}: ranks drew different positions"
             wire, = p.tensors
             assert wire.dtype == dtype and wire.shape == (k + 1,) and p.nbytes == (k + 1) * x.element_size()
+            assert p.nbytes == comp.traits.wire_bytes(BucketInfo.single(x), 3)
             assert torch.equal(wire[:k], x[index]) and wire[k] == 0
         drawn.append(index)
     if math.comb(n, _k(n, ratio)) > 10**6:  # the same subset twice would be a coincidence: the stream moves on

@@ -7,7 +7,7 @@ from typing import Annotated
 from gcomp.collectives.program import ProgramCommunicator
 from gcomp.collectives.sparse_wire import PositionsParam, ValuesParam
 from gcomp.compressors.spardl.codec import SparDLCompressor
-from gcomp.memory import NoMemory
+from gcomp.core import NoMemory
 from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register

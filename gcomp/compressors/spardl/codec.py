@@ -11,7 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from gcomp.collectives.program import ProgramCtx, ScheduledCompressor
 from gcomp.collectives.sparse_wire import SparseWire
 from gcomp.compressors.spardl.schedule import spar_reduce_scatter, spardl_program
-from gcomp.core import LARGEST, POINT_TO_POINT, Keeps, Traits
+from gcomp.core import POINT_TO_POINT, Keeps, Traits
 from gcomp.sharding import ShardLayout
 from gcomp.state_checks import check_state
 
@@ -84,7 +84,7 @@ class SparDLCompressor(ScheduledCompressor):
         self.density, self.teams = density, teams
         self.wire = SparseWire(positions, values)
         self.budgets: dict[str, Budget] = {}
-        self.traits = Traits(POINT_TO_POINT, LARGEST, Keeps.LAYOUT, slots=("residuals",), held=("residuals",),
+        self.traits = Traits(POINT_TO_POINT, self.wire.fidelity, Keeps.LAYOUT, slots=("residuals",), held=("residuals",),
                              rows="native", decodes_alone=False, depends_on_layout=True)
 
     def bind(self, model, group, stats) -> None:

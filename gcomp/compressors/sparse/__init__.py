@@ -14,7 +14,7 @@ from gcomp.compressors.sparse.gtopk import GlobalTopKCompressor
 from gcomp.compressors.sparse.randomk import RandomKCompressor
 from gcomp.compressors.sparse.threshold import ThresholdCompressor
 from gcomp.compressors.sparse.topk import TopKCompressor
-from gcomp.memory import NoMemory, ResidualMemory
+from gcomp.core import NoMemory, ResidualMemory
 from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from gcomp.bucket import expand, segment_reduce
-from gcomp.compressors.sparse.payload import SparseCompressor, SparseCtx
+from gcomp.compressors.sparse.topk import SparseCompressor, SparseCtx
 from gcomp.core import ALLGATHER, Keeps, Payload, Traits, contraction
 from gcomp.randomness import Stream
 from gcomp.state_checks import check_state
@@ -43,7 +43,7 @@ class DGCCompressor(SparseCompressor):
         self.world_size, self.steps = 1, 0  # compressing steps begun (counted at bucket 0)
         self.stream = Stream(seed, "dgc", 0)
         wire = self.wire
-        fixed = None if warmup_steps else lambda n, world: wire.nbytes(n, self.count(n, 0))
+        fixed = None if warmup_steps else lambda bucket, world: wire.nbytes(bucket.numel, self.count(bucket.numel, 0))
         self.traits = Traits(ALLGATHER, contraction(0), Keeps.RANK, slots=("momentum", "velocity"),
                              held=("velocity",), rows=None, wire_bytes=fixed)
 

@@ -6,7 +6,7 @@ import torch
 
 from gcomp.collectives.program import Program, ProgramCtx, Round, ScheduledCompressor, message_nbytes, pack, unpack
 from gcomp.collectives.sparse_wire import SparseWire, narrow
-from gcomp.core import LARGEST, POINT_TO_POINT, Traits
+from gcomp.core import POINT_TO_POINT, Traits
 
 
 def merge_top(index_a: torch.Tensor, values_a: torch.Tensor, index_b: torch.Tensor, values_b: torch.Tensor,
@@ -78,7 +78,7 @@ class GlobalTopKCompressor(ScheduledCompressor):
     def __init__(self, density: float, positions: str = "raw", values: str = "fp32"):
         self.density = density
         self.wire = SparseWire(positions, values)
-        self.traits = Traits(POINT_TO_POINT, LARGEST, slots=("residuals",), held=("residuals",), rows=None,
+        self.traits = Traits(POINT_TO_POINT, self.wire.fidelity, slots=("residuals",), held=("residuals",), rows=None,
                              decodes_alone=False)
 
     def program(self, ctx: ProgramCtx, rank: int, world: int, keep: bool = True):

@@ -40,7 +40,7 @@ class RandomKCompressor(Compressor):
         self.ratio, self.seed = ratio, seed
         self.stream = Stream(seed, "randomk")
         self.traits = Traits(ALLREDUCE, contraction(0), Keeps.SHARED,
-                             wire_bytes=lambda n, world: 4 * (top_count(n, ratio) + 1))
+                             wire_bytes=lambda bucket, world: (top_count(bucket.numel, ratio) + 1) * bucket.dtype.itemsize)
 
     def encode(self, x, state, layout):
         flat = x.reshape(-1)

@@ -7,8 +7,8 @@ import torch.distributed as dist
 from gcomp.bucket import index_dtype
 from gcomp.collectives.sized import SizedCompressor, SizedPayload
 from gcomp.collectives.sparse_wire import SparseWire, coded_bytes, encode_positions, narrow
-from gcomp.compressors.sparse.payload import SparseCompressor, SparseCtx, magnitude_keys
-from gcomp.core import ALLGATHER, LARGEST, Traits
+from gcomp.compressors.sparse.topk import SparseCompressor, SparseCtx, magnitude_keys
+from gcomp.core import ALLGATHER, Traits
 
 _FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -41,7 +41,7 @@ class ThresholdCompressor(SparseCompressor, SizedCompressor):
     def __init__(self, threshold: float, positions: str = "raw", values: str = "fp32"):
         super().__init__(positions, values)
         self.threshold = threshold
-        self.traits = Traits(ALLGATHER, LARGEST, rows=None)
+        self.traits = Traits(ALLGATHER, self.wire.fidelity, rows=None)
         self.world_size = 1
 
     def bind(self, model, group, stats) -> None:
