@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gcomp.compressors.sparse.topk import top_count
 from gcomp.core import ALLREDUCE, Compressor, Keeps, Payload, Traits, contraction
 from gcomp.randomness import Stream
 from gcomp.state_checks import check_state
@@ -40,11 +39,14 @@ class RandomKCompressor(Compressor):
         self.ratio, self.seed = ratio, seed
         self.stream = Stream(seed, "randomk")
         self.traits = Traits(ALLREDUCE, contraction(0), Keeps.SHARED,
-                             wire_bytes=lambda bucket, world: (top_count(bucket.numel, ratio) + 1) * bucket.dtype.itemsize)
+                             wire_bytes=lambda bucket, world: (self.count(bucket.numel) + 1) * bucket.dtype.itemsize)
+
+    def count(self, n: int) -> int:
+        return max(1, int(n * self.ratio))
 
     def encode(self, x, state, layout):
         flat = x.reshape(-1)
-        k = top_count(flat.numel(), self.ratio)
+        k = self.count(flat.numel())
         index = uniform_subset(flat.numel(), k, self.stream.next(flat.device))
         wire = flat.new_empty(k + 1)
         torch.index_select(flat, 0, index, out=wire[:k])
