@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gcomp
-from gcomp.collectives.program import message_nbytes
+from gcomp.collectives.program import message_nbytes, run_locally
 from gcomp.compressors.spardl.codec import Budget, SparDLCompressor
 from gcomp.compressors.spardl.schedule import bruck_rounds, reduce_scatter_rounds
+from gcomp.sharding import ShardLayout
 from tests.compressors import spardl_jobs
 from tests.compressors.test_randomk import converge_job
 from tests.distributed import run_ranks
@@ -170,6 +171,29 @@ def test_teams_share_one_budget_per_block_and_checkpoint_it():
         s["residuals"].copy_(residual)
     assert all(torch.equal(a, resumed.step(xs)[0][0]) for a, xs in zip(after, steps[3:]))
     assert resumed.compressors[0].merge_states([saved[0][0]], [saved[0][0]], 0) == {}  # a resize: budgets adapt afresh
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_under_fsdp2_spar_reduce_scatter_is_the_reduce_scatter_and_conserves(world):
+    """FSDP2's input (world rows, row r rank r's shard) reduced by Spar-Reduce-Scatter alone: rank r's result is its
+    shard, and every rank's residual (the other blocks, what it did not pass on) plus the shards add up to the sum
+    of the inputs, exactly; (world - 1) k pairs leave each rank per call."""
+    rows, cols = 4 * world, 7
+    layouts = [ShardLayout(0, ("w",), (torch.Size([rows, cols]),), world, r, torch.float64) for r in range(world)]
+    width = layouts[0].shard_numel
+    compressors = [gcomp.create("spardl", density=0.2, positions="raw").compressor for _ in range(world)]
+    states = spardl_jobs.slots(world, world * width, torch.float64)
+    g = torch.Generator().manual_seed(world)
+    for step in range(2):
+        xs = [torch.randint(-20, 21, (world * width,), generator=g).double() for _ in range(world)]
+        ctxs = [c.encode(x, s, layout)[0].ctx for c, x, s, layout in zip(compressors, xs, states, layouts)]
+        shards = run_locally([c.program(ctx, r, world) for r, (c, ctx) in enumerate(zip(compressors, ctxs))])
+        assert all(shard.shape == (width,) for shard in shards)
+        residuals = torch.stack([s["residuals"] for s in states]).sum(0)
+        compensated = torch.stack([ctx.compensated for ctx in ctxs]).sum(0)
+        assert torch.equal(residuals + torch.cat(shards), compensated), f"step {step}"
+        for r, s in enumerate(states):  # a rank keeps nothing of its own shard
+            assert not s["residuals"].view(world, width)[r].any()
 
 
 # --- on gloo process groups --------------------------------------------------------------------------------------
