@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gcomp
-from gcomp.collectives.coded_positions import coded_bytes
+from gcomp.collectives.sparse_wire import coded_bytes
 from tests.distributed import run_ranks
 from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, flat_grads, flat_params, mlp, train
 

@@ -17,7 +17,7 @@ import torch
 from gcomp.bench import race, report, simulate
 from gcomp.bench.methods import parse_method
 from gcomp.bench.workloads import MODELS, accuracy, load_data, loss_fn, make_model
-from gcomp.collectives.coded_positions import coded_bytes
+from gcomp.collectives.sparse_wire import coded_bytes
 from gcomp.cli import main
 
 

@@ -1,4 +1,4 @@
-"""Point-to-point round programs (gcomp.collectives.p2p): ``pack``/``unpack`` round trips and sizes, the
+"""Point-to-point round programs (gcomp.collectives.program): ``pack``/``unpack`` round trips and sizes, the
 in-process simulator ``run_locally`` (results, and the schedule errors it must catch), and ``run_program`` on
 real gloo process groups (same results as the simulator, byte and message counts, zero-byte messages skipped,
 sub-groups addressed by group rank)."""
@@ -8,7 +8,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gcomp.collectives.p2p import Round, message_nbytes, pack, run_locally, run_program, unpack
+from gcomp.collectives.program import Round, message_nbytes, pack, run_locally, run_program, unpack
 from tests.distributed import run_ranks
 
 SETTINGS = settings(max_examples=80, deadline=None)

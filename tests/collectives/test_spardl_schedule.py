@@ -1,4 +1,4 @@
-"""SparDL's and gTop-k's round schedules (gcomp.collectives.spardl, gcomp.collectives.gtopk; docs/algorithms.md
+"""SparDL's and gTop-k's round schedules (gcomp.compressors.spardl.schedule, gcomp.compressors.sparse.gtopk; docs/algorithms.md
 §7.2-7.3): the Spar-Reduce-Scatter round plan (round count, block counts, worked examples), a symbolic
 simulation showing every block is reduced exactly once, exact numerical sums through ``run_locally``, the
 Bruck all-gather, multi-team agreement, and gTop-k's ``merge_top`` and tree program."""
@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gcomp.collectives.gtopk import gtopk_program, merge_top
-from gcomp.collectives.p2p import run_locally
-from gcomp.collectives.spardl import bruck_allgather, bruck_rounds, reduce_scatter_rounds, spardl_program
+from gcomp.collectives.program import run_locally
+from gcomp.collectives.sparse_wire import SparseWire
+from gcomp.compressors.spardl.schedule import bruck_allgather, bruck_rounds, reduce_scatter_rounds, spardl_program
+from gcomp.compressors.sparse.gtopk import merge_top, tree_program
 
 SETTINGS = settings(max_examples=80, deadline=None)
 
@@ -228,7 +229,7 @@ def _gtopk_inputs(world, width, k, seed):
 def test_gtopk_program_every_rank_gets_the_same_set(world):
     width, k = 20, 4
     inputs = _gtopk_inputs(world, width, k, seed=world)
-    results = run_locally([gtopk_program(i.clone(), v.clone(), r, world) for r, (i, v) in enumerate(inputs)])
+    results = run_locally([tree_program(i.clone(), v.clone(), r, world, width) for r, (i, v) in enumerate(inputs)])
     index0, values0 = results[0]
     assert index0.numel() == k and len(set(index0.tolist())) == k, f"rank 0 kept {index0.tolist()}"
     union = set().union(*(set(i.tolist()) for i, _ in inputs))
@@ -245,10 +246,13 @@ def test_gtopk_program_every_rank_gets_the_same_set(world):
             "P=2: the result should be merge_top of both ranks' sets"
 
 
-def test_gtopk_program_int32_indices():
+@pytest.mark.parametrize("wire", [SparseWire("raw"), SparseWire("coded"), SparseWire("coded", "bf16")])
+def test_gtopk_program_ends_with_rank_0s_message_on_every_rank(wire):
+    """Positions come back int64 whatever the wire; every rank holds the bits rank 0 sent (narrow values rounded
+    alike everywhere, rank 0 too)."""
     world, width, k = 5, 16, 3
     inputs = _gtopk_inputs(world, width, k, seed=7)
-    results = run_locally([gtopk_program(i.to(torch.int32), v, r, world) for r, (i, v) in enumerate(inputs)])
+    results = run_locally([tree_program(i, v, r, world, width, wire) for r, (i, v) in enumerate(inputs)])
     for r, (index, values) in enumerate(results):
-        assert index.dtype == torch.int32, f"rank {r}: index dtype {index.dtype}, expected int32"
+        assert index.dtype == torch.int64, f"rank {r}: index dtype {index.dtype}"
         assert torch.equal(index, results[0][0]) and torch.equal(values, results[0][1]), f"rank {r} disagrees"

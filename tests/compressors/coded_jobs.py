@@ -27,21 +27,19 @@ def wire_job(cases: list[tuple[str, dict, str]], numel: int, steps: int) -> list
         method.bind(None, None, stats)
         counts = []
         if name == "threshold":  # its count per step, which sizes its wire
-            compress = method.compressor.compress
+            encode = method.compressor.encode
 
-            def recording(tensor, bucket, compress=compress, counts=counts):
-                payload = compress(tensor, bucket)
-                counts.append(payload.ctx.k)
-                return payload
-            method.compressor.compress = recording
+            def recording(x, state, layout, encode=encode, counts=counts):
+                payload, state = encode(x, state, layout)
+                counts.append(int(payload.length))
+                return payload, state
+            method.compressor.encode = recording
         results, given = [], torch.zeros(numel, dtype=torch.float64)
         for step in range(steps):
             g = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * step + rank), dtype=dtype)
             given += g.double() / world
             results.append(method.reduce(g / world, info, None, stats).wait().clone())
         held = method.flush(info, g)
-        if held is None and hasattr(method.compressor, "memory"):  # gtopk and spardl keep their residual inside
-            held = method.compressor.memory.flush(info, g)
         balance = held.double().reshape(-1) - given
         dist.all_reduce(balance)  # every rank's residual less every rank's input
         gap = (torch.stack(results).double().sum(0) + balance).abs().max().item()

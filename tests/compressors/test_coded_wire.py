@@ -10,11 +10,9 @@ import pytest
 import torch
 
 import gcomp
-from gcomp.collectives import coded_positions
-from gcomp.collectives.p2p import message_nbytes
-from gcomp.collectives.spardl import bruck_rounds, reduce_scatter_rounds
-from gcomp.collectives.sparse_wire import SparseWire
-from gcomp.compressors.sparse import entry_bits
+from gcomp.collectives.program import message_nbytes
+from gcomp.collectives.sparse_wire import SparseWire, coded_bytes
+from gcomp.compressors.spardl.schedule import bruck_rounds, reduce_scatter_rounds
 from tests.compressors import coded_jobs
 from tests.distributed import run_ranks
 
@@ -30,15 +28,14 @@ CONSERVING = [("topk", {"ratio": RATIO}), ("dgc", {"ratio": RATIO, "momentum": 0
 
 def _allgather_bytes(k: int, positions: str, values: str) -> int:
     value = {"fp32": 4, "bf16": 2, "fp8_e4m3": 1}[values] * k + (4 if values == "fp8_e4m3" else 0)
-    return value + (coded_positions.coded_bytes(NUMEL, k) if positions == "coded" else 4 * k)
+    return value + (coded_bytes(NUMEL, k) if positions == "coded" else 4 * k)
 
 
 def _spardl_bytes(world: int, wire: SparseWire) -> int:
     width = -(-NUMEL // world)
     k = max(1, int(width * RATIO))
-    total = sum(message_nbytes(wire.sections(width, k, count, torch.float32)) for _, count in reduce_scatter_rounds(world))
-    item = wire.sections(width, k, 1, torch.float32) if wire.positions == "raw" else \
-        [(torch.uint8, coded_positions.coded_bytes(width, k))] + wire.sections(width, k, 1, torch.float32)[1:]
+    total = sum(message_nbytes(wire.sections(width, k, torch.float32, count)) for _, count in reduce_scatter_rounds(world))
+    item = wire.sections(width, k, torch.float32)  # each item its own code and scale
     return total + sum(message_nbytes([(dt, count * n) for dt, n in item]) for _, count in bruck_rounds(world))
 
 
@@ -50,7 +47,7 @@ def _sized_bytes(counts: torch.Tensor, positions: str, values: str) -> int:
     value, total = {"fp32": 4, "bf16": 2, "fp8_e4m3": 1}[values], 0
     for step in counts.t().tolist():
         longest = max(1, max(step))
-        where = max(1, max(coded_positions.coded_bytes(NUMEL, k) for k in step)) if positions == "coded" else \
+        where = max(1, max(coded_bytes(NUMEL, k) for k in step)) if positions == "coded" else \
             4 * longest
         total += 8 + value * longest + where + (4 if values == "fp8_e4m3" else 0)
     return total
@@ -65,7 +62,7 @@ def _expected(name: str, world: int, positions: str, values: str, r: dict) -> in
     if name == "dgc":
         return STEPS * _allgather_bytes(math.ceil(NUMEL * RATIO - 1e-6), positions, values)
     if name == "gtopk":  # every message one set of k
-        return r["messages"] * message_nbytes(wire.sections(NUMEL, int(NUMEL * RATIO), 1, torch.float32))
+        return r["messages"] * message_nbytes(wire.sections(NUMEL, int(NUMEL * RATIO), torch.float32))
     return STEPS * _spardl_bytes(world, wire)
 
 
@@ -91,7 +88,7 @@ def test_bytes_follow_the_formula_and_coding_is_lossless(world):
             assert not torch.equal(first, want), (name, params)
             near = (first - want).abs() <= want.abs().max() * 2 ** -4
             assert near.sum() >= NUMEL - RATIO * NUMEL // 4, (name, params, int(near.sum()))
-    coded = 8 * coded_positions.coded_bytes(NUMEL, 200) / 200
+    coded = 8 * coded_bytes(NUMEL, 200) / 200
     assert coded < 10  # about 8.6 bits a position, against 32
 
 
@@ -104,17 +101,23 @@ def test_narrow_values_conserve_the_gradient(world):
             assert r["gap"] < 1e-12, (name, params, rank, r["gap"])
 
 
-def test_threshold_codes_its_positions_by_default():
-    assert gcomp.create("threshold").compressor.positions == "coded"
-    assert gcomp.create("threshold", positions="raw", values="bf16").compressor.positions == "raw"
+@pytest.mark.parametrize("name", list(METHODS))
+def test_positions_are_coded_by_default(name):
+    assert gcomp.create(name).compressor.wire == SparseWire("coded", "fp32")
+    assert gcomp.create(name, positions="raw", values="bf16").compressor.wire == SparseWire("raw", "bf16")
     with pytest.raises(ValueError, match="positions"):
-        gcomp.create("threshold", positions="packed")
+        gcomp.create(name, positions="packed")
 
 
 @pytest.mark.parametrize("n", [1 << 20, 1 << 24])
 def test_topk_at_ratio_001_with_bf16_values_sends_at_most_28_bits_an_entry(n):
-    """The issue's goal (64 bits today): 16 value bits and about 8.6 position bits."""
+    """The issue's goal (64 bits before coding): 16 value bits and about 8.6 position bits."""
     k = int(n * 0.01)
-    assert entry_bits(n, k, "raw", "fp32") == 64
-    assert entry_bits(n, k, "coded", "bf16") == 16 + 8 * coded_positions.coded_bytes(n, k) / k <= 28
-    assert entry_bits(n, k, "coded", "fp8_e4m3") == 8 + 32 / k + 8 * coded_positions.coded_bytes(n, k) / k
+
+    def wire_bytes(**params):
+        bucket = gcomp.BucketInfo.from_layout(0, torch.float32, ["w"], [n])
+        return gcomp.create("topk", **params).compressor.traits.wire_bytes(bucket, 4)
+
+    assert wire_bytes(positions="raw") == 8 * k
+    assert wire_bytes(values="bf16") == 2 * k + coded_bytes(n, k) <= 28 * k / 8
+    assert wire_bytes(values="fp8_e4m3") == k + 4 + coded_bytes(n, k)

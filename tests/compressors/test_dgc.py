@@ -1,6 +1,10 @@
 """``dgc``: the warm-up schedule, momentum correction and masking against a plain reference, velocity
 conservation (DGC's analogue of error-feedback conservation), the selection (exact top k, also through the
-sampled threshold), mostly-zero buckets, non-finite values, clipping, checkpoint and layout moves, 4 ranks."""
+sampled threshold), mostly-zero buckets, non-finite values, clipping, checkpoint and layout moves (old formats
+too), the sample offset's stream, no host synchronisation, 4 ranks.
+
+Momentum and velocity are the method's slots: the tests run buckets through ``Method._send`` (compensate, the
+slots of the layout, encode) and read the slots from the method's checkpoint."""
 from __future__ import annotations
 
 import math
@@ -10,19 +14,48 @@ import torch
 
 import gcomp
 from gcomp import BucketInfo
+from gcomp.testing.ops import counting
 from tests.compressors.test_randomk import check_convergence
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
-def _dgc(**params):
-    """The raw wire (int32 positions in selection order), which these tests read tensor by tensor."""
-    return gcomp.create("dgc", **{"positions": "raw", **params}).compressor
+class _DGC:
+    """A dgc method with the raw wire (int32 positions in selection order), which these tests read tensor by
+    tensor: ``compress`` is one bucket through the method's pipeline up to the exchange."""
+
+    def __init__(self, **params):
+        self.method = gcomp.create("dgc", **{"positions": "raw", **params})
+        self.comp = self.method.compressor
+
+    def __getattr__(self, name):
+        return getattr(self.comp, name)
+
+    def __setattr__(self, name, value):
+        if name in ("method", "comp"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.comp, name, value)
+
+    def compress(self, x, info):
+        return self.method._send(x, info, {"bytes_sent": 0})
+
+    def decompress(self, tensors, ctx):
+        return self.comp.decode([t[None] for t in tensors], ctx)
+
+    def state_dict(self):
+        return self.method.state_dict()
+
+    def load_state_dict(self, state):
+        self.method.load_state_dict(state)
+
+
+_dgc = _DGC
 
 
 def _state(comp, info: BucketInfo) -> tuple[torch.Tensor, torch.Tensor]:
     """(momentum, velocity) of a layout, read from the per-parameter checkpoint."""
-    state = comp.state_dict()
+    state = comp.state_dict()["compressor"]
     return tuple(torch.cat([state[b][name].reshape(-1) for name in info.names]) for b in ("momentum", "velocity"))
 
 
@@ -45,7 +78,10 @@ def test_warm_up_sends_k_by_the_schedule_counted_per_step():
         for info in infos:  # both buckets of a step use the step's density
             payload = comp.compress(torch.randn(1000), info)
             assert payload.tensors[0].numel() == k
-    assert comp.state_dict()["steps"] == 5
+    assert comp.state_dict()["compressor"]["steps"] == 5
+    assert comp.traits.wire_bytes is None  # the warm-up decides
+    plain = _dgc(ratio=0.01)
+    assert plain.traits.wire_bytes(infos[0], 2) == plain.compress(torch.randn(1000), infos[0]).nbytes == 10 * 8
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -177,6 +213,58 @@ def test_state_moves_to_a_new_layout_and_survives_a_checkpoint():
     assert all(torch.equal(x, y) for x, y in zip(*payloads))
     with pytest.raises(ValueError, match="unexpected"):
         fresh.load_state_dict({**state, "other": 1})
+
+
+def test_gcomp_0_1_checkpoints_load_and_flush_hands_the_velocity_back():
+    comp = _dgc(ratio=0.1, masking=False)
+    info = BucketInfo.from_layout(0, torch.float32, ["x", "y"], [40, 60])
+    for _ in range(2):
+        comp.compress(torch.randn(100), info)
+    state = comp.state_dict()
+    assert state["compressor"]["generator"] == {"seed": 0, "draws": 0} and state["compressor"]["steps"] == 2
+    old = {**state["compressor"], "generator": torch.Generator().get_state()}  # gcomp 0.1's CPU path
+    for legacy in (old, {**old, "device_stream": {"seed": 0, "draws": 5}}):  # and its device path
+        fresh = _dgc(ratio=0.1, masking=False)
+        fresh.load_state_dict({"memory": {}, "compressor": legacy})
+        assert fresh.stream.draws == legacy.get("device_stream", {}).get("draws", 0) and fresh.steps == 2
+        assert torch.equal(_state(fresh, info)[1], _state(comp, info)[1])
+    velocity = _state(comp, info)[1]
+    held = comp.method.flush(info, torch.zeros(100))
+    assert torch.equal(held, velocity) and all(not t.any() for t in _state(comp, info))
+    assert comp.method.flush(BucketInfo.from_layout(1, torch.float32, ["z"], [5]), torch.zeros(5)) is None
+
+
+def test_the_sample_offset_is_drawn_from_a_stream_the_checkpoint_resumes():
+    info = BucketInfo.single(torch.zeros(200_000))  # large enough to sample the threshold
+    first = _dgc(ratio=0.001, momentum=0.0)
+    for step in range(2):
+        first.compress(torch.randn(info.numel, generator=torch.Generator().manual_seed(step)), info)
+    state = first.state_dict()
+    assert state["compressor"]["generator"]["draws"] == 2
+    resumed = _dgc(ratio=0.001, momentum=0.0, seed=7)
+    resumed.load_state_dict(state)
+    assert resumed.stream.seed == 0
+    x = torch.randn(info.numel, generator=torch.Generator().manual_seed(9)) * 1e-3
+    with counting() as counter:
+        a = first.compress(x.clone(), info)
+        b = resumed.compress(x.clone(), info)
+    assert counter.syncs == {}
+    assert all(torch.equal(s, t) for s, t in zip(a.tensors, b.tensors))
+
+
+@pytest.mark.parametrize("values", ["bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("ratio", [0.01, 0.4])  # 0.4: the bitmap form
+def test_narrow_values_leave_their_rounding_in_the_velocity(values, ratio):
+    comp = _dgc(ratio=ratio, momentum=0.0, masking=False, values=values, positions="coded")
+    info = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [3000, 77])
+    v_old = torch.zeros(info.numel)
+    for step in range(3):
+        grad = torch.randn(info.numel, generator=torch.Generator().manual_seed(step))
+        payload = comp.compress(grad, info)
+        sent = comp.decompress(payload.tensors, payload.ctx)
+        v_new = _state(comp, info)[1]
+        assert torch.equal(sent + v_new, v_old + grad), f"step {step}"
+        v_old = v_new
 
 
 # --- 4 ranks ----------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gcomp
-from gcomp.collectives.p2p import message_nbytes, run_locally
+from gcomp.collectives.program import message_nbytes
 from tests.compressors import spardl_jobs
 from tests.distributed import run_ranks
 
@@ -20,14 +20,12 @@ PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 def _simulate(world: int, density: float, steps: list[list[torch.Tensor]]):
     """Per step: every rank's result, the compensated inputs and the residuals after the step."""
     compressors = [gcomp.create("gtopk", density=density).compressor for _ in range(world)]
-    n = steps[0][0].numel()
     info = gcomp.BucketInfo.single(steps[0][0])
+    states = spardl_jobs.slots(world, info.numel, steps[0][0].dtype)
     out = []
     for xs in steps:
-        ctxs = [c.compress(x, info).ctx for c, x in zip(compressors, xs)]
-        results = run_locally([c.program(ctx, r, world) for r, (c, ctx) in enumerate(zip(compressors, ctxs))])
-        residuals = [c.memory.compensate(torch.zeros(n, dtype=xs[0].dtype), info) for c in compressors]
-        out.append((results, [ctx.compensated for ctx in ctxs], residuals))
+        results, compensated = spardl_jobs.simulate(compressors, states, xs, info)
+        out.append((results, compensated, [s["residuals"].clone() for s in states]))
     return out
 
 

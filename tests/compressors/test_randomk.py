@@ -1,5 +1,6 @@
-"""``randomk``: the same positions on every rank (one seed, advanced alike), values alone summed, error-feedback
-conservation, the non-finite flag, the generator in the checkpoint, a 4-rank convergence smoke test.
+"""``randomk``: the same positions on every rank (one shared stream, advanced alike), distinct, ascending and uniform;
+values alone summed, error-feedback conservation, the non-finite flag, the stream in the checkpoint (old formats
+too), FSDP2's rows, no host synchronisation, a 4-rank convergence smoke test.
 
 This file also holds ``converge_job``, the convergence smoke test the sparse methods' tests share.
 """
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from unittest import mock
 
 import pytest
 import torch
@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gcomp
-from gcomp import BucketInfo, kernels
-from gcomp.compressors.randomk import RandomKCompressor, all_finite, uniform_subset
+from gcomp import BucketInfo
+from gcomp.compressors.sparse.randomk import RandomKCompressor, uniform_subset
+from gcomp.sharding import ShardLayout
+from gcomp.testing.ops import counting
 from tests.distributed import run_ranks
 from tests.models import ddp, flat_params, mlp, teacher_labels
 
@@ -89,51 +91,60 @@ def _k(n: int, ratio: float) -> int:
     return max(1, int(ratio * n))
 
 
+def encode(comp, x, info=None):
+    return comp.encode(x, {}, info or BucketInfo.single(x))[0]
+
+
 @PROPERTY
 @given(n=st.integers(1, 3000), ratio=st.floats(1e-4, 1.0), dtype=st.sampled_from(DTYPES),
        seed=st.integers(0, 2**31 - 1))
 def test_every_rank_draws_the_same_distinct_positions(n, ratio, dtype, seed):
     ranks = [RandomKCompressor(ratio, seed) for _ in range(3)]
     g = torch.Generator().manual_seed(seed)
+    drawn = []
     for step in range(3):
         payloads = []
         for comp in ranks:
             x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
-            payloads.append((x, comp.compress(x, BucketInfo.single(x))))
+            payloads.append((x, encode(comp, x)))
         k = _k(n, ratio)
         index = payloads[0][1].ctx.index
-        assert index.shape == (k,) and bool((index[1:] > index[:-1]).all())  # distinct, ascending
+        assert index.dtype == torch.int64 and index.shape == (k,)
+        assert bool((index[1:] > index[:-1]).all())  # distinct, ascending
         assert 0 <= int(index.min()) and int(index.max()) < n
         for x, p in payloads:
             assert torch.equal(p.ctx.index, index), f"step {step}: ranks drew different positions"
             wire, = p.tensors
             assert wire.dtype == dtype and wire.shape == (k + 1,) and p.nbytes == (k + 1) * x.element_size()
+            assert p.nbytes == comp.traits.wire_bytes(BucketInfo.single(x), 3)
             assert torch.equal(wire[:k], x[index]) and wire[k] == 0
+        drawn.append(index)
+    if math.comb(n, _k(n, ratio)) > 10**6:  # the same subset twice would be a coincidence: the stream moves on
+        assert not torch.equal(drawn[0], drawn[1])
 
 
 def test_positions_change_from_step_to_step_and_with_the_seed():
     x = torch.randn(1000)
     a, b = RandomKCompressor(0.05, 0), RandomKCompressor(0.05, 1)
-    first = a.compress(x, BucketInfo.single(x)).ctx.index
-    second = a.compress(x, BucketInfo.single(x)).ctx.index
-    other = b.compress(x, BucketInfo.single(x)).ctx.index
-    assert not torch.equal(first.sort().values, second.sort().values)
-    assert not torch.equal(first.sort().values, other.sort().values)
+    first = encode(a, x).ctx.index
+    second = encode(a, x).ctx.index
+    other = encode(b, x).ctx.index
+    assert not torch.equal(first, second) and not torch.equal(first, other)
 
 
 @PROPERTY
 @given(n=st.integers(1, 500), ratio=st.floats(1e-3, 1.0), world=st.integers(1, 8), seed=st.integers(0, 2**31 - 1),
        dtype=st.sampled_from(DTYPES))
-def test_decompress_of_the_summed_wire_is_the_sum_of_decompressions(n, ratio, world, seed, dtype):
+def test_decode_of_the_summed_wire_is_the_sum_of_decodes(n, ratio, world, seed, dtype):
     """Small integers: every partial sum is exact, so the all-reduce identity holds bit for bit."""
     comps = [RandomKCompressor(ratio, seed) for _ in range(world)]
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randint(-8, 9, (n,), generator=g).to(dtype) for _ in range(world)]
-    payloads = [c.compress(x, BucketInfo.single(x)) for c, x in zip(comps, xs)]
+    payloads = [encode(c, x) for c, x in zip(comps, xs)]
     summed = torch.stack([p.tensors[0] for p in payloads]).sum(0)
-    total = torch.stack([c.decompress(p.tensors, p.ctx) for c, p in zip(comps, payloads)]).sum(0)
+    total = torch.stack([c.decode(p.tensors, p.ctx) for c, p in zip(comps, payloads)]).sum(0)
     for c, p in zip(comps, payloads):
-        assert torch.equal(c.decompress([summed], p.ctx), total)
+        assert torch.equal(c.decode([summed], p.ctx), total)
     if _k(n, ratio) == n:  # everything drawn: the plain sum
         assert torch.equal(total, torch.stack(xs).sum(0))
 
@@ -147,39 +158,65 @@ def test_error_feedback_conservation_is_exact(dtype):
     old = torch.zeros(info.numel, dtype=dtype)
     for step in range(5):
         grad = torch.randn(info.numel, generator=g, dtype=torch.float64).to(dtype)
+        if step == 3:
+            grad[7] = float("inf")
         v = memory.compensate(grad, info)
         assert torch.equal(v, grad + old)
-        payload = comp.compress(v, info)
-        memory.update(v, info, comp, payload)
+        payload = encode(comp, v, info)
+        memory.update(v, info, payload.residual)
         new = memory.compensate(torch.zeros_like(grad), info)
-        assert torch.equal(comp.decompress(payload.tensors, payload.ctx) + new, v)
-        assert new.count_nonzero() > 0.8 * info.numel  # 90% held back
+        sent = comp.decode(payload.tensors, payload.ctx)
+        assert torch.equal(new, torch.nan_to_num(v - sent, nan=0.0, posinf=0.0, neginf=0.0))
+        if step != 3:
+            assert torch.equal(sent + new, v)
+        assert new.isfinite().all() and new.count_nonzero() > 0.8 * info.numel  # 90% held back
         old = new
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_the_flag_is_nan_exactly_when_an_entry_is_not_finite(dtype, bad):
+    x = torch.full((500,), torch.finfo(dtype).max, dtype=dtype)  # the largest finite values: no false alarm
+    x[::2] = -x[::2]
+    if bad is not None:
+        x[321] = bad
+    wire, = encode(RandomKCompressor(0.01, 0), x).tensors
+    assert wire[-1].isnan() == (bad is not None) and (bad is not None or wire[-1] == 0)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_nonfinite_entry_not_drawn_still_poisons_every_sent_entry(bad):
     comps = [RandomKCompressor(0.1, 0) for _ in range(2)]
     xs = [torch.randn(100), torch.randn(100)]
-    index = RandomKCompressor(0.1, 0).compress(xs[0], BucketInfo.single(xs[0])).ctx.index
+    index = encode(RandomKCompressor(0.1, 0), xs[0]).ctx.index
     hidden = int(torch.ones(100, dtype=torch.bool).index_fill_(0, index, False).nonzero()[0])
     xs[1][hidden] = bad
-    payloads = [c.compress(x, BucketInfo.single(x)) for c, x in zip(comps, xs)]
+    payloads = [encode(c, x) for c, x in zip(comps, xs)]
     summed = payloads[0].tensors[0] + payloads[1].tensors[0]
-    out = comps[0].decompress([summed], payloads[0].ctx)
-    assert out[index].isnan().all() and torch.isfinite(comps[0].decompress(payloads[0].tensors, payloads[0].ctx)).all()
+    out = comps[0].decode([summed], payloads[0].ctx)
+    assert out[index].isnan().all() and torch.isfinite(comps[0].decode(payloads[0].tensors, payloads[0].ctx)).all()
 
 
-def test_state_dict_resumes_the_draws():
+def test_state_dict_resumes_the_draws_and_old_formats_load():
     a = RandomKCompressor(0.1, 3)
     x = torch.randn(500)
-    a.compress(x, BucketInfo.single(x))
+    encode(a, x)
     state = a.state_dict()
+    assert state == {"generator": {"seed": 3, "draws": 1}}
     b = RandomKCompressor(0.1, 99)
     b.load_state_dict(state)
-    assert torch.equal(a.compress(x, BucketInfo.single(x)).ctx.index, b.compress(x, BucketInfo.single(x)).ctx.index)
+    assert torch.equal(encode(a, x).ctx.index, encode(b, x).ctx.index)
     with pytest.raises(ValueError, match="unexpected"):
         b.load_state_dict({**state, "other": 1})
+    old_cpu = {"generator": torch.Generator().get_state()}  # gcomp 0.1's CPU path: the stream starts afresh
+    b.load_state_dict(old_cpu)
+    assert b.state_dict() == {"generator": {"seed": 3, "draws": 0}}
+    b.load_state_dict({**old_cpu, "device_stream": {"seed": 3, "draws": 2}})  # its device path: resumed
+    assert torch.equal(encode(b, x).ctx.index, encode(a, x).ctx.index)
+    for bad in ({"seed": 3}, {"seed": 3, "draws": -1}, {"seed": "3", "draws": 1}):
+        with pytest.raises(ValueError, match="random stream"):
+            b.load_state_dict({**old_cpu, "device_stream": bad})
+    assert a.replicated and a.keeps_state  # one stream, the same on every rank
 
 
 # --- 4 ranks ----------------------------------------------------------------------------------------------------
@@ -191,6 +228,8 @@ def test_randomk_lowers_the_loss_on_4_ranks():
     check_convergence([("randomk", {"ratio": 0.3}, 0.35), ("randomk", {"ratio": 0.1}, 0.15)])
 
 
+# --- the draws: uniform, reproducible -----------------------------------------------------------------------------
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 5000), fraction=st.floats(0.0, 1.0), seed=st.integers(0, 2**31 - 1))
 def test_uniform_subset_draws_k_distinct_positions_reproducibly(n, fraction, seed):
@@ -201,38 +240,15 @@ def test_uniform_subset_draws_k_distinct_positions_reproducibly(n, fraction, see
     assert torch.equal(a, b)  # the same generator state, the same draw: what keeps ranks in step
 
 
-@settings(max_examples=80, deadline=None)
-@given(n=st.integers(4, 3000), fraction=st.floats(0.0, 0.25), seed=st.integers(0, 2**31 - 1))
-def test_uniform_subset_is_the_first_k_distinct_values_of_its_stream(n, fraction, seed):
-    """The sparse path (``4k <= n``) returns exactly the first ``k`` distinct values of the stream of uniform
-    draws it takes from the generator, whatever the rounds: the set whose every k-subset is equally likely.
-    Recorded here by watching ``torch.randint``; k up to n/4 makes repeats, and so top-up rounds, common."""
-    k = max(1, int(n * fraction))
-    draws = []
-    real = torch.randint
-
-    def recording(*args, **kwargs):
-        out = real(*args, **kwargs)
-        draws.append(out)
-        return out
-
-    with mock.patch.object(torch, "randint", recording):
-        got = uniform_subset(n, k, torch.Generator().manual_seed(seed))
-    first = list(dict.fromkeys(torch.cat(draws).tolist()))  # distinct values in order of first draw
-    assert len(first) >= k
-    assert got.tolist() == sorted(first[:k])
-
-
 def _chi2_bound(df: int, z: float = 3.719) -> float:
     """The chi-square quantile exceeded with probability about 1e-4 (``z``: the normal one), Wilson-Hilferty."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("n, k", [(12, 2), (12, 3), (6, 2)], ids=["pairs", "triples-with-top-ups", "dense"])
+@pytest.mark.parametrize("n, k", [(12, 2), (12, 3), (6, 2), (6, 5)])
 def test_uniform_subset_draws_every_k_subset_equally_often(n, k):
-    """Every k-subset about equally often, 100 times each expected: pairs and triples of 12 take the sparse path
-    (triples: the first 3 draws repeat a value in 24% of the draws, so the top-up rounds are tested too), pairs
-    of 6 the permutation. Positions come ascending, so the subset is the whole outcome."""
+    """Every k-subset about equally often, 100 times each expected. Positions come ascending, so the subset is the
+    whole outcome."""
     g = torch.Generator().manual_seed(3)
     cells = {c: i for i, c in enumerate(itertools.combinations(range(n), k))}
     counts = torch.zeros(len(cells))
@@ -242,70 +258,41 @@ def test_uniform_subset_draws_every_k_subset_equally_often(n, k):
     assert chi2 < _chi2_bound(len(cells) - 1), chi2
 
 
-# --- the fast paths: the flag in one pass, the update without a decode, the decode buffers -----------------
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
-def test_the_flag_is_nan_exactly_when_an_entry_is_not_finite(dtype, bad):
-    x = torch.full((500,), torch.finfo(dtype).max, dtype=dtype)  # the largest finite values: no false alarm
-    x[::2] = -x[::2]
-    if bad is not None:
-        x[321] = bad
-    wire, = RandomKCompressor(0.01, 0).compress(x, BucketInfo.single(x)).tensors
-    assert wire[-1].isnan() == (bad is not None) and (bad is not None or wire[-1] == 0)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_all_finite_is_exact_when_the_sum_overflows_and_wherever_the_bad_entry_lies(dtype):
-    big = torch.full((1000,), torch.finfo(dtype).max, dtype=dtype)  # the sum overflows: min and max decide
-    assert all_finite(big) and all_finite(-big) and all_finite(torch.randn(1000).to(dtype))
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        for where in (0, 7, 517, 999):
-            for x in (torch.randn(1000).to(dtype), big.clone()):
-                x[where] = bad
-                assert not all_finite(x), (bad, where)
-    assert not all_finite(torch.tensor([float("inf"), float("-inf")], dtype=dtype))  # inf - inf: NaN, not 0
+def test_the_compressor_draws_uniformly():
+    """The same through ``encode``: one draw per bucket, the stream re-seeded for each."""
+    n, k = 8, 2
+    cells = {c: i for i, c in enumerate(itertools.combinations(range(n), k))}
+    comp = RandomKCompressor(k / n, 11)
+    counts = torch.zeros(len(cells))
+    x = torch.randn(n)
+    for _ in range(100 * len(cells)):
+        counts[cells[tuple(encode(comp, x).ctx.index.tolist())]] += 1
+    chi2 = float(((counts - 100) ** 2 / 100).sum())
+    assert chi2 < _chi2_bound(len(cells) - 1), chi2
 
 
-def test_sent_positions_only_for_a_finite_bucket_on_the_host():
-    """On the CPU path; on the device path (``GCOMP_FORCE_DEVICE_PATH``) whether the bucket is finite stays on the
-    device, so there are never such positions (the memory takes ``residual_into``)."""
-    comp = RandomKCompressor(0.1, 0)
-    x = torch.randn(300)
-    payload = comp.compress(x, BucketInfo.single(x))
-    if kernels.on_device(x):
-        assert comp.sent_positions(payload) is None
-    else:
-        assert torch.equal(comp.sent_positions(payload), payload.ctx.index)
-    x[5] = float("inf")
-    assert comp.sent_positions(comp.compress(x, BucketInfo.single(x))) is None
+# --- bucket-wide; FSDP2's rows ------------------------------------------------------------------------------------
+
+def test_a_bucket_never_waits_for_the_host():
+    x = torch.randn(1 << 16)
+    comp = RandomKCompressor(0.01, 0)
+    with counting() as counter:
+        payload = encode(comp, x)
+        comp.decode(payload.tensors, payload.ctx)
+    assert counter.syncs == {} and counter.ops["topk"] == 1
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_residual_into_equals_the_compensated_bucket_less_the_decoded_payload(dtype):
-    comp = RandomKCompressor(0.1, 0)
-    info = BucketInfo.from_layout(0, dtype, ["a"], [400])
-    g = torch.Generator().manual_seed(6)
-    for bad in (None, float("inf")):
-        v = torch.randn(info.numel, generator=g, dtype=torch.float64).to(dtype)
-        if bad is not None:
-            v[7] = bad
-        payload = comp.compress(v, info)
-        out = torch.empty_like(v)
-        assert comp.residual_into(out, v, payload)
-        expected = torch.nan_to_num(v - comp.decompress(payload.tensors, payload.ctx), nan=0.0, posinf=0.0,
-                                    neginf=0.0)
-        assert torch.equal(out, expected)
-
-
-def test_decoded_buckets_reuse_two_buffers_per_layout():
-    comp = RandomKCompressor(0.1, 0)
-    info = BucketInfo.from_layout(0, torch.float32, ["a"], [400])
-    x = torch.randn(info.numel)
-    payload = comp.compress(x, info)
-    first = comp.decompress(payload.tensors, payload.ctx)
-    kept, expected = first.data_ptr(), first.clone()
-    second = comp.decompress(payload.tensors, payload.ctx)  # the first is held: the other buffer
-    assert second.data_ptr() != kept and torch.equal(first, expected) and torch.equal(second, expected)
-    del first, second
-    assert comp.decompress(payload.tensors, payload.ctx).data_ptr() == kept
+def test_fsdp_rows_draw_per_row_alike_on_every_rank():
+    """Under FSDP2 each destination row of S entries sends its own k = max(1, int(ratio * S)) values and the flag:
+    a (world, k + 1) matrix, world * (k + 1) entries per call; every rank draws the same positions."""
+    world, width, k = 4, 250, 25
+    layouts = [ShardLayout(0, ("w",), (torch.Size([4 * 10, 25]),), world, r, torch.float32) for r in range(2)]
+    x = torch.randn(world * width)
+    stats = {"bytes_sent": 0, "encode_s": 0.0}
+    payloads = [gcomp.create("randomk", ratio=0.1)._send(x.clone(), layout, stats) for layout in layouts]
+    wire, = payloads[0].tensors
+    assert payloads[0].rows and wire.shape == (world, k + 1) and stats["bytes_sent"] == 2 * world * (k + 1) * 4
+    assert torch.equal(wire, payloads[1].tensors[0]) and not wire[:, k].any()
+    for r, ctx in enumerate(payloads[0].ctx.ctxs):
+        assert ctx.n == width and ctx.index.shape == (k,) and (ctx.index.diff() > 0).all()
+        assert torch.equal(wire[r, :k], x.view(world, width)[r][ctx.index])

@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gcomp
-from gcomp.collectives.p2p import message_nbytes, run_locally
-from gcomp.collectives.spardl import bruck_rounds, reduce_scatter_rounds
-from gcomp.compressors.spardl import SparDLCompressor, _Budget
+from gcomp.collectives.program import message_nbytes, run_locally
+from gcomp.compressors.spardl.codec import Budget, SparDLCompressor
+from gcomp.compressors.spardl.schedule import bruck_rounds, reduce_scatter_rounds
+from gcomp.sharding import ShardLayout
 from tests.compressors import spardl_jobs
 from tests.compressors.test_randomk import converge_job
 from tests.distributed import run_ranks
@@ -28,27 +29,18 @@ from tests.distributed import run_ranks
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _compressors(world: int, params: dict, cls=None) -> list:
-    out = []
-    for _ in range(world):
-        c = gcomp.create("spardl", **params).compressor if cls is None else cls(**params)
-        c.world = world  # what bind() reads from the process group
-        out.append(c)
-    return out
+class _Ranks:
+    """``world`` simulated ranks of spardl (``cls``: the compressor), each with its ``residuals`` slot."""
 
+    def __init__(self, world: int, params: dict, info: gcomp.BucketInfo, cls=None):
+        self.compressors = [gcomp.create("spardl", **params).compressor if cls is None else cls(**params)
+                            for _ in range(world)]
+        self.states, self.info = spardl_jobs.slots(world, info.numel, info.dtype), info
 
-def _residual(c, info: gcomp.BucketInfo) -> torch.Tensor:
-    return c.memory.compensate(torch.zeros(info.numel, dtype=info.dtype), info)
-
-
-def _step(compressors, xs, info):
-    """One simulated step: every rank's (result, residual after), and the sum of what they were given."""
-    world = len(compressors)
-    ctxs = [c.compress(x, info).ctx for c, x in zip(compressors, xs)]
-    compensated = torch.stack([ctx.compensated for ctx in ctxs]).sum(0)
-    results = run_locally([c.program(ctx, r, world) for r, (c, ctx) in enumerate(zip(compressors, ctxs))])
-    residuals = torch.stack([_residual(c, info) for c in compressors]).sum(0)
-    return results, residuals, compensated
+    def step(self, xs):
+        """One simulated step: every rank's results, the sum of the residuals after it, and of what was given."""
+        results, compensated = spardl_jobs.simulate(self.compressors, self.states, xs, self.info)
+        return results, torch.stack([s["residuals"] for s in self.states]).sum(0), torch.stack(compensated).sum(0)
 
 
 def _inputs(world: int, n: int, dtype, kind: str, g: torch.Generator) -> list[torch.Tensor]:
@@ -73,18 +65,17 @@ def _teams(world: int) -> st.SearchStrategy:
        seed=st.integers(0, 2**31 - 1))
 def test_global_residual_collection_conserves_exactly(data, world, n, density, dtype, kind, seed):
     teams = data.draw(_teams(world), label="teams")
-    compressors = _compressors(world, {"density": density, "teams": teams})
-    info = gcomp.BucketInfo.single(torch.zeros(n, dtype=dtype))
+    ranks = _Ranks(world, {"density": density, "teams": teams}, gcomp.BucketInfo.single(torch.zeros(n, dtype=dtype)))
     g = torch.Generator().manual_seed(seed)
     for step in range(3):
-        results, residuals, compensated = _step(compressors, _inputs(world, n, dtype, kind, g), info)
+        results, residuals, compensated = ranks.step(_inputs(world, n, dtype, kind, g))
         for rank, result in enumerate(results):
             assert result.shape == (n,) and result.dtype == dtype
             assert torch.equal(result, results[0]), f"step {step}: rank {rank}'s result differs from rank 0's"
         assert torch.equal(residuals + results[0], compensated), (
             f"step {step}: sum of residuals + result != sum of compensated gradients "
             f"(max error {(residuals + results[0] - compensated).abs().max()})")
-        size, width, k = compressors[0].geometry(n, world)
+        size, width, k = ranks.compressors[0].geometry(n, world)
         assert int((results[0] != 0).sum()) <= size * k
 
 
@@ -99,18 +90,17 @@ class _EmptySelection(SparDLCompressor):
 
 @pytest.mark.parametrize("world, teams", [(1, 1), (3, 1), (5, 1), (6, 2), (4, 4)])
 def test_an_empty_final_selection_keeps_every_entry(world, teams):
-    compressors = _compressors(world, {"density": 0.5, "teams": teams}, cls=_EmptySelection)
-    info = gcomp.BucketInfo.single(torch.zeros(37))
+    ranks = _Ranks(world, {"density": 0.5, "teams": teams}, gcomp.BucketInfo.single(torch.zeros(37)), _EmptySelection)
     g = torch.Generator().manual_seed(world)
     given = [torch.zeros(37) for _ in range(world)]
     for step in range(2):
         xs = _inputs(world, 37, torch.float32, "ints", g)
-        results, residuals, compensated = _step(compressors, xs, info)
+        results, residuals, compensated = ranks.step(xs)
         assert all(torch.equal(r, torch.zeros(37)) for r in results)
         assert torch.equal(residuals, compensated), f"step {step}: a residual was lost or counted twice"
-        for rank, (c, x) in enumerate(zip(compressors, xs)):  # and each rank keeps exactly its own entries
+        for rank, (state, x) in enumerate(zip(ranks.states, xs)):  # and each rank keeps exactly its own entries
             given[rank] += x
-            assert torch.equal(_residual(c, info), given[rank]), f"step {step}, rank {rank}"
+            assert torch.equal(state["residuals"], given[rank]), f"step {step}, rank {rank}"
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8, 9])
@@ -118,12 +108,11 @@ def test_an_empty_final_selection_keeps_every_entry(world, teams):
 def test_density_one_is_the_dense_sum(world, dtype):
     """With one team (with several, Spar-All-Gather's budget h starts at k / teams, as the spec has it, and
     only grows to k over the steps, so the first steps hold entries back even at density 1)."""
-    compressors = _compressors(world, {"density": 1.0, "teams": 1})
-    info = gcomp.BucketInfo.single(torch.zeros(301, dtype=dtype))
+    ranks = _Ranks(world, {"density": 1.0, "teams": 1}, gcomp.BucketInfo.single(torch.zeros(301, dtype=dtype)))
     g = torch.Generator().manual_seed(world)
     for step in range(2):
         xs = [torch.randn(301, generator=g, dtype=torch.float64).to(dtype) for _ in range(world)]
-        results, residuals, _ = _step(compressors, xs, info)
+        results, residuals, _ = ranks.step(xs)
         exact = torch.stack(xs).double().sum(0)
         eps = torch.finfo(dtype).eps
         for result in results:
@@ -141,7 +130,7 @@ def test_geometry_pads_the_bucket_into_blocks():
 
 def test_adaptive_budget_moves_h_toward_a_union_of_k():
     k, floor = 100, 25
-    budget = _Budget(floor, 1)
+    budget = Budget(floor, 1)
     seen = []
     for _ in range(12):  # unions below k: h grows, faster every second step
         budget.union = torch.tensor(60)
@@ -169,17 +158,42 @@ def test_teams_share_one_budget_per_block_and_checkpoint_it():
     info = gcomp.BucketInfo.single(torch.zeros(200))
     g = torch.Generator().manual_seed(3)
     steps = [[torch.randn(200, generator=g) for _ in range(world)] for _ in range(5)]
-    straight = _compressors(world, params)
+    straight = _Ranks(world, params, info)
     for xs in steps[:3]:
-        _step(straight, xs, info)
-    saved = [c.state_dict() for c in straight]
-    after = [_step(straight, xs, info)[0][0] for xs in steps[3:]]
-    budgets = [c._budgets[info.key].h for c in straight]
+        straight.step(xs)
+    saved = [(c.state_dict(), s["residuals"].clone()) for c, s in zip(straight.compressors, straight.states)]
+    after = [straight.step(xs)[0][0] for xs in steps[3:]]
+    budgets = [c.budgets[info.key].h for c in straight.compressors]
     assert budgets[0] == budgets[2] and budgets[1] == budgets[3], budgets  # ranks q and q + Q hold block q
-    resumed = _compressors(world, params)
-    for c, state in zip(resumed, saved):
+    resumed = _Ranks(world, params, info)
+    for c, s, (state, residual) in zip(resumed.compressors, resumed.states, saved):
         c.load_state_dict(state)
-    assert all(torch.equal(a, _step(resumed, xs, info)[0][0]) for a, xs in zip(after, steps[3:]))
+        s["residuals"].copy_(residual)
+    assert all(torch.equal(a, resumed.step(xs)[0][0]) for a, xs in zip(after, steps[3:]))
+    assert resumed.compressors[0].merge_states([saved[0][0]], [saved[0][0]], 0) == {}  # a resize: budgets adapt afresh
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_under_fsdp2_spar_reduce_scatter_is_the_reduce_scatter_and_conserves(world):
+    """FSDP2's input (world rows, row r rank r's shard) reduced by Spar-Reduce-Scatter alone: rank r's result is its
+    shard, and every rank's residual (the other blocks, what it did not pass on) plus the shards add up to the sum
+    of the inputs, exactly; (world - 1) k pairs leave each rank per call."""
+    rows, cols = 4 * world, 7
+    layouts = [ShardLayout(0, ("w",), (torch.Size([rows, cols]),), world, r, torch.float64) for r in range(world)]
+    width = layouts[0].shard_numel
+    compressors = [gcomp.create("spardl", density=0.2, positions="raw").compressor for _ in range(world)]
+    states = spardl_jobs.slots(world, world * width, torch.float64)
+    g = torch.Generator().manual_seed(world)
+    for step in range(2):
+        xs = [torch.randint(-20, 21, (world * width,), generator=g).double() for _ in range(world)]
+        ctxs = [c.encode(x, s, layout)[0].ctx for c, x, s, layout in zip(compressors, xs, states, layouts)]
+        shards = run_locally([c.program(ctx, r, world) for r, (c, ctx) in enumerate(zip(compressors, ctxs))])
+        assert all(shard.shape == (width,) for shard in shards)
+        residuals = torch.stack([s["residuals"] for s in states]).sum(0)
+        compensated = torch.stack([ctx.compensated for ctx in ctxs]).sum(0)
+        assert torch.equal(residuals + torch.cat(shards), compensated), f"step {step}"
+        for r, s in enumerate(states):  # a rank keeps nothing of its own shard
+            assert not s["residuals"].view(world, width)[r].any()
 
 
 # --- on gloo process groups --------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """``threshold``: the entries above the threshold (scaled to the local gradient), NaN and infinities always sent,
 exact error feedback, the sized all-gather with very different counts per rank (zero included) and several
-buckets in flight, padding counted, a 4-rank convergence smoke test."""
+buckets in flight, padding counted, coded positions decoded per rank, the count never read by the codec, a 4-rank
+convergence smoke test."""
 from __future__ import annotations
 
 import pytest
@@ -10,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gcomp
-from gcomp import BucketInfo, kernels
-from gcomp.collectives import coded_positions
-from gcomp.collectives.allgather_sized import SizedAllgatherCommunicator, SizedPayload
-from gcomp.compressors import sparse
-from gcomp.compressors.threshold import ThresholdCompressor, _floor_to
+from gcomp import BucketInfo
+from gcomp.collectives.sized import SizedAllgatherCommunicator, SizedPayload
+from gcomp.collectives.sparse_wire import coded_bytes, encode_positions
+from gcomp.compressors.sparse.threshold import ThresholdCompressor, floor_to
+from gcomp.testing.ops import counting
 from tests.compressors.test_randomk import check_convergence
 from tests.distributed import run_ranks
 
@@ -22,21 +23,28 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def encode(comp, x, info=None) -> SizedPayload:
+    payload = comp.encode(x, {}, info or BucketInfo.single(x))[0]
+    assert isinstance(payload, SizedPayload)
+    return payload
+
+
 def sent(payload) -> list[torch.Tensor]:
-    """What goes on the wire of ``payload``: its tensors on the CPU path; on the device path (a ``SizedPayload`` of
-    bucket-sized buffers, ``GCOMP_FORCE_DEVICE_PATH``) their first ``length`` rows, the rest checked to be zero
-    values."""
-    if not isinstance(payload, SizedPayload):
-        return payload.tensors
+    """What goes on the wire of ``payload`` (bucket-sized buffers): their first ``length`` rows, the rest checked to
+    be zero values."""
     length = int(payload.length)
-    values, index = payload.tensors
-    assert values.shape == index.shape and values.shape[0] >= length
+    values, index = payload.tensors[:2]
+    assert values.shape[0] == index.shape[0] >= length
     assert not values[length:].any(), "the padding past the length must add nothing"
     return [values[:length], index[:length]]
 
 
 def sent_nbytes(payload) -> int:
     return sum(t.numel() * t.element_size() for t in sent(payload))
+
+
+def decode_alone(comp, payload) -> torch.Tensor:
+    return comp.decode([t[None] for t in payload.tensors], payload.ctx)
 
 
 @PROPERTY
@@ -50,42 +58,72 @@ def test_sends_exactly_the_entries_above_the_scaled_threshold(n, dtype, threshol
                                                                                                 generator=g)]
     comp = ThresholdCompressor(threshold)
     comp.world_size = world  # what bind() sets: the bucket holds g / world
-    payload = comp.compress(x, BucketInfo.single(x))
+    payload = encode(comp, x)
     values, index = sent(payload)
     expected = ((x.double().abs() > threshold / world) | ~torch.isfinite(x)).nonzero().squeeze(1)
     assert index.dtype == torch.int32 and torch.equal(index.long(), expected)
     assert values.dtype == dtype and torch.equal(values.isnan(), x[expected].isnan())
     assert torch.equal(values.nan_to_num(), x[expected].nan_to_num())
     assert sent_nbytes(payload) == expected.numel() * (x.element_size() + 4)
-    out = comp.decompress(payload.tensors, payload.ctx)
+    out = decode_alone(comp, payload)
     assert out.dtype == dtype and out.shape == x.shape
     kept = torch.zeros(n, dtype=torch.bool)
     kept[expected] = True
     assert torch.equal(out[~kept], torch.zeros(int((~kept).sum()), dtype=dtype))
+    assert torch.equal(payload.residual, x.masked_fill(kept, 0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), dtype=st.sampled_from(DTYPES), threshold=st.floats(0.0, 3.0),
+       seed=st.integers(0, 2**31 - 1))
+def test_every_entry_above_the_floor_and_every_non_finite_in_ascending_order(n, dtype, threshold, seed):
+    """The magnitude keys pick what ``~(|x| <= floor)`` picks, zeros of either sign never."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0], dtype=dtype)
+    where = torch.randperm(n, generator=g)[: n // 10]
+    x[where] = specials[torch.randint(0, 5, (where.numel(),), generator=g)]
+    values, index = sent(encode(ThresholdCompressor(threshold), x))
+    expected = (~(x.abs() <= floor_to(threshold, dtype))).nonzero().squeeze(1)
+    assert index.dtype == torch.int32 and torch.equal(index.long(), expected)
+    assert torch.equal(values.isnan(), x[expected].isnan())
+    assert torch.equal(torch.nan_to_num(values), torch.nan_to_num(x[expected]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_an_infinite_threshold_still_sends_nan_and_infinities(dtype):
     x = torch.tensor([1e4, float("nan"), float("inf"), -float("inf"), 0.0], dtype=dtype)
-    _, index = sent(ThresholdCompressor(float("inf")).compress(x, BucketInfo.single(x)))
+    _, index = sent(encode(ThresholdCompressor(float("inf")), x))
     assert index.tolist() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("values", ["fp32", "fp16", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_error_feedback_conservation_is_exact_and_small_entries_accumulate(dtype):
-    method = gcomp.create("threshold", threshold=0.5)
+def test_error_feedback_conservation_is_exact_and_small_entries_accumulate(dtype, values):
+    method = gcomp.create("threshold", threshold=0.5, values=values)
     comp, memory = method.compressor, method.memory
     info = BucketInfo.from_layout(0, dtype, ["w", "b"], [90, 10])
     grad = torch.full((100,), 0.2, dtype=dtype)  # below the threshold: sent on the third step, as 0.6
-    for step in range(3):
+    grad[::7] = -0.3  # and others than those on the fourth step
+    for step in range(4):
         v = memory.compensate(grad, info)
-        payload = comp.compress(v, info)
-        memory.update(v, info, comp, payload)
-        decoded = comp.decompress(payload.tensors, payload.ctx)
+        payload = encode(comp, v, info)
+        memory.update(v, info, payload.residual)
         residual = memory.compensate(torch.zeros_like(grad), info)
-        assert torch.equal(decoded + residual, v)
-        assert sent(payload)[0].numel() == (100 if step == 2 else 0)
-    assert torch.equal(residual, torch.zeros_like(grad))
+        assert torch.equal(decode_alone(comp, payload) + residual, v), f"step {step}"
+        assert sent(payload)[1].numel() == {0: 0, 1: 15, 2: 85, 3: 15}[step]
+
+
+def test_the_codec_never_reads_the_count():
+    """No host synchronisation in encode or decode: the sized all-gather's read is the bucket's one."""
+    x = torch.randn(1 << 17)
+    comp = ThresholdCompressor(1.0)
+    with counting() as counter:
+        payload = encode(comp, x)
+        decode_alone(comp, payload)
+    assert counter.syncs == {}
+    assert int(payload.length) == int((x.abs() > 1.0).sum())
+    assert gcomp.create("threshold").host_syncs == 1
 
 
 # --- the sized all-gather on 4 ranks ----------------------------------------------------------------------------
@@ -101,15 +139,15 @@ def _sized_job(counts: list[list[int]], dtype: torch.dtype) -> list:
     for b, per_rank in enumerate(counts):
         x = torch.zeros(64, dtype=dtype)
         x[rank:rank + per_rank[rank]] = 2.0 * world * (rank + 1)  # overlapping positions across ranks
-        payload = comp.compress(x, BucketInfo.single(x, index=b))
+        payload = encode(comp, x, BucketInfo.single(x, index=b))
         stats["bytes_sent"] += payload.nbytes  # as the pipeline counts it (gcomp.Method.reduce)
-        local = comp.decompress(payload.tensors, payload.ctx)
+        local = decode_alone(comp, payload)
         pending.append((comm.exchange(payload, comp, None, stats), payload, local))
     out = []
     for fut, payload, local in pending:
         every = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(every, local)
-        out.append((comm.decode(fut.wait(), comp, payload.ctx), torch.stack(every).sum(0)))
+        out.append((comp.decode(fut.wait(), payload.ctx), torch.stack(every).sum(0)))
     return out, stats
 
 
@@ -139,42 +177,15 @@ def test_threshold_lowers_the_loss_on_4_ranks():
         assert run["stats"]["padding_bytes"] > 0  # the counts differed between ranks
 
 
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 3000), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
-       threshold=st.floats(0.0, 3.0), seed=st.integers(0, 2**31 - 1), chunk=st.sampled_from([7, 64, 1 << 18]))
-def test_selection_in_chunks_is_every_entry_above_the_threshold_and_every_non_finite(n, dtype, threshold, seed,
-                                                                                    chunk):
-    """The chunked pass over magnitude keys picks what ``~(|x| <= floor)`` picks, in ascending order."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
-    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0], dtype=dtype)
-    where = torch.randperm(n, generator=g)[: n // 10]
-    x[where] = specials[torch.randint(0, 5, (where.numel(),), generator=g)]
-    comp, saved = ThresholdCompressor(threshold), sparse.CHUNK
-    sparse.CHUNK = chunk
-    try:
-        values, index = sent(comp.compress(x, BucketInfo.single(x)))
-    finally:
-        sparse.CHUNK = saved
-    floor = _floor_to(threshold, dtype)
-    expected = (~(x.abs() <= floor)).nonzero().squeeze(1)
-    assert index.dtype == torch.int32 and torch.equal(index.long(), expected)
-    assert torch.equal(values.isnan(), x[expected].isnan())
-    assert torch.equal(torch.nan_to_num(values), torch.nan_to_num(x[expected]))
-
-
 # --- coded positions: a code per rank, of its own count's size and form --------------------------------------------
 
-def _stacked(comp, payloads, tensors) -> list[torch.Tensor]:
+def _stacked(comp, ctx, tensors, counts) -> list[torch.Tensor]:
     """Every rank's ``tensors`` cut or zero-padded to the longest rows of each (``comp.rows`` of each rank's count) and
     stacked, as the sized all-gather delivers them."""
-    rows = [comp.rows(p.ctx, p.ctx.k) for p in payloads]
-    widths = [max(1, max(r)) for r in zip(*rows)]
     out = []
-    for j, width in enumerate(widths):
-        cut = [t[j][:width] for t in tensors]  # a device path's buffers: cut to the longest
-        padded = [torch.cat([c, c.new_zeros(width - c.shape[0], *c.shape[1:])]) for c in cut]
-        out.append(torch.stack(padded))
+    for j, width in enumerate(max(1, max(r)) for r in zip(*(comp.rows(ctx, c) for c in counts))):
+        cut = [t[j][:width] for t in tensors]
+        out.append(torch.stack([torch.cat([c, c.new_zeros(width - c.shape[0], *c.shape[1:])]) for c in cut]))
     return out
 
 
@@ -182,38 +193,32 @@ def _stacked(comp, payloads, tensors) -> list[torch.Tensor]:
 @given(n=st.integers(1, 3000), densities=st.lists(st.floats(0, 1), min_size=1, max_size=5),
        values=st.sampled_from(["fp32", "bf16", "fp8_e4m3"]), seed=st.integers(0, 2**31 - 1))
 def test_coded_positions_decode_each_rank_with_its_own_count(n, densities, values, seed):
-    """Ranks of different counts (0 and n included), so codes of different sizes and forms: summed exactly as
-    each rank's own decode; the device path, coded once its count is known (``finish``), sends the same code."""
+    """Ranks of different counts (0 and n included), so codes of different sizes and forms, coded once the count is
+    known (``finish``): summed exactly as each rank's own decode."""
     g = torch.Generator().manual_seed(seed)
     comp = ThresholdCompressor(1.0, "coded", values)
-    payloads, buckets = [], []
+    payloads, finished, counts = [], [], []
     for density in densities:
         x = torch.randn(n, generator=g) * 0.1
         chosen = torch.randperm(n, generator=g)[:int(density * n)]
         x[chosen] = (2.0 + torch.rand(chosen.numel(), generator=g)) * torch.sign(torch.randn(chosen.numel(),
                                                                                              generator=g))
-        payloads.append(comp.compress(x, BucketInfo.single(x)))
-        buckets.append(x)
-        assert payloads[-1].ctx.k == chosen.numel()
-        assert payloads[-1].tensors[1].numel() == coded_positions.coded_bytes(n, chosen.numel())
-    counts = [p.ctx.k for p in payloads]
-    got = comp.aggregate_counts(_stacked(comp, payloads, [p.tensors for p in payloads]), counts, payloads[0].ctx)
-    want = sum(comp.decompress(p.tensors, p.ctx) for p in payloads)
-    assert torch.equal(got, want)
-    with kernels.forced():
-        device = [comp.compress(x, BucketInfo.single(x)) for x in buckets]
-        finished = [comp.finish(p, int(p.length)) for p in device]
-    for cpu, dev, k in zip(payloads, finished, counts):
-        assert torch.equal(dev[1], cpu.tensors[1])  # the same code
-        assert torch.equal(dev[0][:k], cpu.tensors[0]) and not dev[0][k:].any()
-    assert torch.equal(comp.aggregate_counts(_stacked(comp, payloads, finished), counts, device[0].ctx), want)
+        payloads.append(encode(comp, x))
+        counts.append(int(payloads[-1].length))
+        assert counts[-1] == chosen.numel()
+        finished.append(comp.finish(payloads[-1], counts[-1]))
+        assert torch.equal(finished[-1][1], encode_positions(chosen.sort().values, n))
+        assert finished[-1][1].numel() == coded_bytes(n, chosen.numel())
+    got = comp.decode((_stacked(comp, payloads[0].ctx, finished, counts), counts), payloads[0].ctx)
+    assert torch.equal(got, sum(decode_alone(comp, p) for p in payloads))
 
 
-def test_coded_positions_are_smaller_and_raw_fp8_sends_its_scale_once():
+def test_coded_positions_are_smaller_and_fp8_sends_its_scale_once():
     comp = ThresholdCompressor(1.0, "coded", "fp8_e4m3")
     x = torch.zeros(10_000)
     x[::100] = 5.0
-    ctx = comp.compress(x, BucketInfo.single(x)).ctx
-    assert comp.rows(ctx, 100) == [100, coded_positions.coded_bytes(10_000, 100), 1]
-    assert coded_positions.coded_bytes(10_000, 100) < 4 * 100
-    assert ThresholdCompressor(1.0, "raw").rows(ctx, 7) == [7, 7, 1]  # ctx's values: fp8, one scale row
+    ctx = encode(comp, x).ctx
+    assert comp.rows(ctx, 100) == [100, coded_bytes(10_000, 100), 1]
+    assert coded_bytes(10_000, 100) < 4 * 100
+    assert ThresholdCompressor(1.0, "raw", "fp8_e4m3").rows(ctx, 7) == [7, 7, 1]
+    assert ThresholdCompressor(1.0, "raw").rows(ctx, 7) == [7, 7]

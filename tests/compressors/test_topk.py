@@ -1,5 +1,6 @@
 """``topk``: the codec's properties (hypothesis), error-feedback conservation, ratio=1 equals the dense mean on
-several ranks, non-finite values always sent. Its residuals across bucket layouts: tests/test_memory.py."""
+several ranks, non-finite values always sent, no host synchronisation. Its residuals across bucket layouts:
+tests/test_memory.py."""
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gcomp
-from gcomp import BucketInfo, ResidualMemory, kernels
-from gcomp.compressors.sparse import magnitude_keys
-from gcomp.compressors.topk import FALLBACK, FULL, SAMPLED, TopKCompressor, largest_magnitudes
+from gcomp import BucketInfo, ResidualMemory
+from gcomp.compressors.sparse.topk import TopKCompressor, magnitude_keys
+from gcomp.testing.ops import counting
 from tests.distributed import run_ranks
 from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, mlp
 
@@ -47,13 +48,22 @@ def _values(n: int, dtype: torch.dtype, seed: int, kind: str) -> torch.Tensor:
 # --- the codec ----------------------------------------------------------------------------------------------
 
 
+def encode(comp, x, info=None):
+    return comp.encode(x, {}, info or BucketInfo.single(x))[0]
+
+
+def decode_alone(comp, payload):
+    """One rank's payload decoded alone: a one-rank stack, as the all-gather delivers it."""
+    return comp.decode([t[None] for t in payload.tensors], payload.ctx)
+
+
 @PROPERTY
 @given(n=st.integers(1, 2000), dtype=st.sampled_from(DTYPES), ratio=ratios, seed=st.integers(0, 2**31 - 1),
        kind=st.sampled_from(KINDS))
-def test_compress_sends_the_k_largest_and_decompress_places_them(n, dtype, ratio, seed, kind):
+def test_encode_sends_the_k_largest_and_decode_places_them(n, dtype, ratio, seed, kind):
     x = _values(n, dtype, seed, kind)
     comp = TopKCompressor(ratio)
-    payload = comp.compress(x, BucketInfo.single(x))
+    payload = encode(comp, x)
     k = _k(n, ratio)
 
     values, index = payload.tensors
@@ -65,12 +75,13 @@ def test_compress_sends_the_k_largest_and_decompress_places_them(n, dtype, ratio
     assert index64.unique().numel() == k
     assert torch.equal(values, x[index64])
 
-    out = comp.decompress(payload.tensors, payload.ctx)
+    out = decode_alone(comp, payload)
     assert out.shape == x.shape and out.dtype == dtype
     kept = torch.zeros(n, dtype=torch.bool)
     kept[index64] = True
     assert torch.equal(out[index64], values)
     assert torch.equal(out[~kept], torch.zeros(n - k, dtype=dtype))
+    assert torch.equal(payload.residual, x.masked_fill(kept, 0))  # what error feedback keeps: no decode needed
 
     magnitude = x.double().abs()
     if k < n:
@@ -83,21 +94,21 @@ def test_compress_sends_the_k_largest_and_decompress_places_them(n, dtype, ratio
 @PROPERTY
 @given(n=st.integers(1, 2000), dtype=st.sampled_from(DTYPES), ratio=ratios, seed=st.integers(0, 2**31 - 1),
        kind=st.sampled_from(KINDS), world=st.integers(1, 8))
-def test_aggregate_of_a_stack_is_the_sum_of_decompressions(n, dtype, ratio, seed, kind, world):
+def test_decode_of_a_stack_is_the_sum_of_decodes(n, dtype, ratio, seed, kind, world):
     comp = TopKCompressor(ratio)
     base = _values(n, torch.float64, seed, kind)
     payloads = []
     for r in range(world):  # a shared base with a little per-rank noise: the ranks pick overlapping entries
         noise = _values(n, torch.float64, seed + 1 + r, "ties" if kind == "ties" else "normal")
         x = (base + (noise.sign() if kind == "ties" else 0.1 * noise)).to(dtype)
-        payloads.append(comp.compress(x, BucketInfo.single(x)))
+        payloads.append(encode(comp, x))
     ctx = payloads[0].ctx
     gathered = [torch.stack([p.tensors[j] for p in payloads]) for j in range(2)]
     assert gathered[0].shape == (world, _k(n, ratio))
 
-    out = comp.aggregate(gathered, ctx)
+    out = comp.decode(gathered, ctx)
     assert out.shape == (n,) and out.dtype == dtype
-    decoded = torch.stack([comp.decompress(p.tensors, p.ctx).double() for p in payloads])
+    decoded = torch.stack([decode_alone(comp, p).double() for p in payloads])
     expected = decoded.sum(0)
     if kind == "ties":  # small integers: every partial sum is exact in every dtype
         assert torch.equal(out.double(), expected)
@@ -115,9 +126,9 @@ def test_aggregate_of_a_stack_is_the_sum_of_decompressions(n, dtype, ratio, seed
 def test_entries_chosen_by_several_ranks_are_summed(dtype):
     comp = TopKCompressor(0.5)
     xs = [torch.tensor([5.0, 0.0, 1.0, -7.0]), torch.tensor([3.0, 2.0, 0.0, -4.0]), torch.tensor([0.0, 0.5, 6.0, 1.0])]
-    payloads = [comp.compress(x.to(dtype), BucketInfo.single(x.to(dtype))) for x in xs]
+    payloads = [encode(comp, x.to(dtype)) for x in xs]
     gathered = [torch.stack([p.tensors[j] for p in payloads]) for j in range(2)]
-    out = comp.aggregate(gathered, payloads[0].ctx)
+    out = comp.decode(gathered, payloads[0].ctx)
     # rank 0 sends {0: 5, 3: -7}, rank 1 {0: 3, 3: -4}, rank 2 {2: 6, 3: 1}
     assert torch.equal(out, torch.tensor([8.0, 0.0, 6.0, -10.0], dtype=dtype))
 
@@ -139,7 +150,7 @@ def test_nan_and_inf_are_always_selected(n, dtype, ratio, seed, data):
     x[where] = specials[torch.randint(0, 3, (count,), generator=g)]
 
     comp = TopKCompressor(ratio)
-    payload = comp.compress(x, BucketInfo.single(x))
+    payload = encode(comp, x)
     values, index = payload.tensors
     sent = set(index.long().tolist())
     nonfinite = set(where.tolist())
@@ -147,19 +158,45 @@ def test_nan_and_inf_are_always_selected(n, dtype, ratio, seed, data):
         assert nonfinite <= sent
     else:
         assert sent <= nonfinite
-    out = comp.decompress(payload.tensors, payload.ctx)
+    out = decode_alone(comp, payload)
     chosen = torch.tensor(sorted(nonfinite & sent))
     assert torch.equal(out[chosen].isnan(), x[chosen].isnan())
     assert torch.equal(out[chosen].isposinf(), x[chosen].isposinf())
     assert torch.equal(out[chosen].isneginf(), x[chosen].isneginf())
 
     # stacked with a finite rank, the non-finite entries still come out non-finite
-    other = comp.compress(torch.ones(n, dtype=dtype), BucketInfo.single(x))
+    other = encode(comp, torch.ones(n, dtype=dtype))
     gathered = [torch.stack([payload.tensors[j], other.tensors[j]]) for j in range(2)]
-    assert not comp.aggregate(gathered, payload.ctx)[chosen].isfinite().any()
+    assert not comp.decode(gathered, payload.ctx)[chosen].isfinite().any()
+
+
+@PROPERTY
+@given(n=st.integers(1, 70_000), dtype=st.sampled_from(DTYPES), ratio=st.floats(1e-3, 1.0),
+       seed=st.integers(0, 2**31 - 1), specials=st.integers(0, 40))
+def test_the_k_largest_magnitude_keys_nonfinite_first_on_large_buckets(n, dtype, ratio, seed, specials):
+    """torch.topk's set of magnitude keys (NaN above infinity above every finite magnitude), up to ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-3, 3, (n,), generator=g)).to(dtype)
+    where = torch.randperm(n, generator=g)[:min(specials, n)]
+    x[where] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype)[
+        torch.randint(0, 3, (where.numel(),), generator=g)]
+    k = _k(n, ratio)
+    values, index = encode(TopKCompressor(ratio), x).tensors
+    assert index.shape == (k,) and index.unique().numel() == k
+    keys = magnitude_keys(x)
+    assert torch.equal(keys[index.long()].sort().values, torch.topk(keys, k).values.sort().values)
+    assert torch.equal(values.view(keys.dtype), x[index.long()].view(keys.dtype))
 
 
 # --- error feedback -----------------------------------------------------------------------------------------
+
+
+def ef_step(method, grad, info):
+    """One bucket through the method's compensate, encode and residual: (compensated, payload)."""
+    v = method.memory.compensate(grad, info)
+    payload, _ = method.compressor.encode(v, {}, info)
+    method.memory.update(v, info, payload.residual)
+    return v, payload
 
 
 @pytest.mark.parametrize("ratio", [0.03, 0.5, 1.0])
@@ -180,17 +217,34 @@ def test_error_feedback_conservation_is_exact(dtype, ratio):
     for step in range(6):
         grad = (torch.randn(info.numel, generator=g, dtype=torch.float64) * (step + 1)).to(dtype)
         old = residual()
-        compensated = memory.compensate(grad, info)
-        assert torch.equal(compensated, grad + old)
-        payload = comp.compress(compensated, info)
-        memory.update(compensated, info, comp, payload)
+        v, payload = ef_step(method, grad, info)
+        assert torch.equal(v, grad + old)
         new = residual()
-        sent = comp.decompress(payload.tensors, payload.ctx)
-        assert torch.equal(sent + new, grad + old)
+        assert torch.equal(decode_alone(comp, payload) + new, grad + old)
         if ratio < 1.0:
             assert new.count_nonzero() > 0  # something was held back, so the check above meant something
         else:
             assert new.count_nonzero() == 0
+
+
+@pytest.mark.parametrize("values", ["fp32", "bf16", "fp8_e4m3"])
+def test_error_feedback_conservation_on_a_large_bucket_with_nonfinite_steps(values):
+    method = gcomp.create("topk", ratio=0.01, values=values)
+    comp, memory = method.compressor, method.memory
+    info = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [1 << 16, 1000])
+    g = torch.Generator().manual_seed(8)
+    for step in range(4):
+        grad = torch.randn(info.numel, generator=g)
+        if step == 2:
+            grad[[5, 77]] = torch.tensor([float("nan"), float("inf")])
+        old = memory.compensate(torch.zeros(info.numel), info).clone()
+        v, payload = ef_step(method, grad, info)
+        new = memory.compensate(torch.zeros(info.numel), info)
+        sent = decode_alone(comp, payload)
+        expected = torch.nan_to_num(v - sent, nan=0.0, posinf=0.0, neginf=0.0)  # what the memory keeps
+        assert torch.equal(new, expected) and new.isfinite().all()
+        if step != 2:
+            assert torch.equal(sent + new, grad + old)
 
 
 # --- ratio 1 through DDP: the dense mean --------------------------------------------------------------------
@@ -247,149 +301,30 @@ def test_topk_ratio_one_equals_the_dense_mean(world, bucket_cap_mb):
             assert all(torch.equal(a, b) for a, b in zip(got, got0))
 
 
-# --- the sampled selection: exact, whichever path it takes -------------------------------------------------
+# --- bucket-wide, pure -------------------------------------------------------------------------------------
 
 
-def _same_as_torch_topk(x: torch.Tensor, k: int, index: torch.Tensor) -> None:
-    """``index`` is torch.topk's set up to ties: k distinct positions whose magnitudes (NaN above inf) are, as
-    a multiset, those of torch.topk's choice."""
-    keys = magnitude_keys(x)
-    assert index.dtype == torch.int64 and index.shape == (k,) and index.unique().numel() == k
-    expected = torch.topk(keys, k, sorted=False).values.sort().values
-    assert torch.equal(keys[index].sort().values, expected)
+@pytest.mark.parametrize("values", ["fp32", "bf16", "fp8_e4m3"])
+def test_coded_positions_take_no_host_synchronisation(values):
+    """Encode and the decode of every rank's code at once: one torch.topk, no sync."""
+    x = torch.randn(50_000)
+    comp = TopKCompressor(0.01, "coded", values)
+    with counting() as counter:
+        payload = encode(comp, x)
+        out = comp.decode([torch.stack([t, t]) for t in payload.tensors], payload.ctx)
+    assert counter.syncs == {} and counter.ops["topk"] == 1
+    assert torch.equal(out, 2 * decode_alone(comp, payload))
 
 
-ADVERSARIAL = ["normal", "ties", "wide", "zeros", "periodic", "ramp", "nonfinite"]
-
-
-def _adversarial(n: int, dtype: torch.dtype, seed: int, kind: str, stride: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if kind in ("normal", "ties", "wide"):
-        return _values(n, dtype, seed, kind)
-    if kind == "zeros":  # mostly zero: the sampled bound is 0
-        x = torch.zeros(n, dtype=torch.float64)
-        x[torch.randperm(n, generator=g)[: max(1, n // 50)]] = torch.randn(max(1, n // 50), generator=g,
-                                                                           dtype=torch.float64)
-    elif kind == "periodic":  # large entries exactly where a strided sample looks
-        x = torch.randn(n, generator=g, dtype=torch.float64) * 1e-3
-        x[stride // 2::stride] = 100 + torch.rand(x[stride // 2::stride].shape, generator=g, dtype=torch.float64)
-    elif kind == "ramp":  # sorted magnitudes: the top k all at the end
-        x = torch.linspace(-1, 1, n, dtype=torch.float64).abs().sort().values
-    else:
-        x = torch.randn(n, generator=g, dtype=torch.float64)
-        where = torch.randperm(n, generator=g)[: max(1, n // 300)]
-        x[where] = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=torch.float64)[
-            torch.randint(0, 3, (where.numel(),), generator=g)]
-    return x.to(dtype)
-
-
-@PROPERTY
-@given(n=st.integers(64, 6000), dtype=st.sampled_from(DTYPES), ratio=st.floats(1e-3, 0.2),
-       seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(ADVERSARIAL))
-def test_sampled_selection_is_exactly_torch_topk(n, dtype, ratio, seed, kind):
-    k = _k(n, ratio)
-    stride = max(1, n // min(n // 4, -(-256 * n // k)))  # the sample's stride, for the periodic input
-    x = _adversarial(n, dtype, seed, kind, stride)
-    index, path = largest_magnitudes(x, k, min_sampled=64)
-    assert path in ((SAMPLED, FALLBACK) if 8 * k <= n else (FULL,))
-    _same_as_torch_topk(x, k, index)
-
-
-def _large_path(x: torch.Tensor) -> str:
-    """The path a large bucket takes: sampled on the CPU, the whole bucket ranked on the device path."""
-    return FULL if kernels.on_device(x) else SAMPLED
-
-
-def test_sampled_path_is_taken_on_a_large_bucket_and_exact():
-    x = torch.randn(1 << 17, generator=torch.Generator().manual_seed(1))
-    comp = TopKCompressor(0.01)
-    payload = comp.compress(x, BucketInfo.single(x))
-    assert comp.paths == {FULL: 0, SAMPLED: 0, FALLBACK: 0, _large_path(x): 1}
-    _same_as_torch_topk(x, _k(x.numel(), 0.01), payload.tensors[1].long())
-
-
-def test_fallback_is_taken_when_the_sample_misleads_and_stays_exact():
-    """Distinct large entries exactly at the sampled positions put the bound above the k-th largest magnitude:
-    fewer than k candidates pass, and the whole bucket is ranked instead."""
-    n, k = 1 << 12, 200
-    stride = max(1, n // min(n // 4, -(-256 * n // k)))
-    x = torch.randn(n, generator=torch.Generator().manual_seed(2)) * 1e-3
-    x[stride // 2::stride] = 1 + torch.arange(x[stride // 2::stride].numel(), dtype=torch.float32)
-    index, path = largest_magnitudes(x, k, min_sampled=64)
-    assert path == FALLBACK
-    _same_as_torch_topk(x, k, index)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_nan_and_inf_are_selected_on_the_sampled_path(dtype):
-    n = 1 << 13
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
-    x[torch.randperm(n, generator=g)[: n // 8]] = torch.finfo(dtype).max / 2  # huge finite rivals
-    where = torch.randperm(n, generator=g)[:30]
-    x[where[:10]], x[where[10:20]], x[where[20:]] = float("nan"), float("inf"), float("-inf")
-    comp = TopKCompressor(0.01)
-    comp.min_sampled = 64
-    payload = comp.compress(x, BucketInfo.single(x))
-    assert comp.paths[_large_path(x)] == 1
-    assert set(where.tolist()) <= set(payload.tensors[1].long().tolist())
-
-
-def test_error_feedback_conservation_is_exact_on_the_sampled_path():
-    method = gcomp.create("topk", ratio=0.01)
-    comp, memory = method.compressor, method.memory
-    info = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [1 << 16, 1000])
-    g = torch.Generator().manual_seed(8)
-    for step in range(4):
-        grad = torch.randn(info.numel, generator=g)
-        if step == 2:
-            grad[[5, 77]] = torch.tensor([float("nan"), float("inf")])
-        old = memory.compensate(torch.zeros(info.numel), info).clone()
-        v = memory.compensate(grad, info)
-        payload = comp.compress(v, info)
-        memory.update(v, info, comp, payload)
-        new = memory.compensate(torch.zeros(info.numel), info)
-        sent = comp.decompress(payload.tensors, payload.ctx)
-        expected = torch.nan_to_num(v - sent, nan=0.0, posinf=0.0, neginf=0.0)  # what update promises
-        assert torch.equal(new, expected) and new.isfinite().all()
-        if step != 2:
-            assert torch.equal(sent + new, grad + old)
-    assert comp.paths[_large_path(grad)] == 4
-
-
-def test_buffers_are_reused_across_steps_and_never_while_held():
-    method = gcomp.create("topk", ratio=0.05)
-    comp, memory = method.compressor, method.memory
-    info = BucketInfo.from_layout(0, torch.float32, ["a"], [4000])
-    g = torch.Generator().manual_seed(9)
-
-    def step():
-        v = memory.compensate(torch.randn(info.numel, generator=g), info)
-        payload = comp.compress(v, info)
-        memory.update(v, info, comp, payload)
-        return v.data_ptr(), comp.aggregate([t[None] for t in payload.tensors], payload.ctx)
-
-    step()  # the first step has no residual yet: the gradient itself is compressed
-    v1, out1 = step()
-    ptr1 = out1.data_ptr()
-    v2, out2 = step()  # out1 still held (as DDP holds the last result): the second slot
-    assert v2 == v1 and out2.data_ptr() != ptr1
-    del out1, out2
-    v3, out3 = step()
-    assert v3 == v1 and out3.data_ptr() == ptr1
-    held = memory.compensate(torch.zeros(info.numel), info)
-    other = memory.compensate(torch.zeros(info.numel), info)
-    assert held.data_ptr() == v1 and other.data_ptr() != held.data_ptr()  # a held buffer is never handed out
-
-
-def test_a_decode_adds_nothing_to_the_compressor():
-    """Decodes run on the backend's threads, beside the next bucket's encode and a deepcopy of the method: the
-    decode buffers are made by the encode and travel in the payload's context."""
+def test_a_codec_is_a_pure_pair():
+    """Decodes run on the backend's threads, beside the next bucket's encode: neither touches the compressor, and
+    the state goes through untouched."""
     comp = TopKCompressor(0.25)
     x = torch.randn(64)
-    info = BucketInfo.single(x)
-    payload = comp.compress(x, info)
-    before = set(vars(comp))
-    comp.decompress(payload.tensors, payload.ctx)
-    comp.aggregate([t[None] for t in payload.tensors], payload.ctx)
-    assert set(vars(comp)) == before
+    before = dict(vars(comp))
+    payload, state = comp.encode(x, {}, BucketInfo.single(x))
+    decode_alone(comp, payload)
+    assert state == {} and vars(comp) == before
+    assert comp.traits.wire_bytes(BucketInfo.single(x), 4) == payload.nbytes == 16 * 8
+    big = BucketInfo.single(torch.zeros(1 << 20))
+    assert gcomp.create("topk").compressor.traits.wire_bytes(big, 4) < (1 << 20) // 100 * 6

@@ -13,9 +13,9 @@ from torch.distributed.fsdp import fully_shard
 import gcomp
 import gcomp.fsdp
 from gcomp.collectives import bitpack
-from gcomp.collectives.p2p import message_nbytes
-from gcomp.collectives.spardl import reduce_scatter_rounds
+from gcomp.collectives.program import message_nbytes
 from gcomp.collectives.sparse_wire import SparseWire
+from gcomp.compressors.spardl.schedule import reduce_scatter_rounds
 from gcomp.compressors import scale_grid
 
 STEPS = 10
@@ -119,7 +119,7 @@ def expected_bytes(name: str, params: dict, model) -> int:
         elif name == "spardl":
             k = max(1, int(width * params.get("density", 0.01)))
             wire = SparseWire(params.get("positions", "coded"), params.get("values", "fp32"))  # coded by default
-            total += sum(message_nbytes(wire.sections(width, k, count, torch.float32))
+            total += sum(message_nbytes(wire.sections(width, k, torch.float32, count))
                          for _, count in reduce_scatter_rounds(world))
     return total
 
