@@ -3,8 +3,8 @@ trained under DDP on 2-4 ranks: equal to plain DDP, replicas identical, pruned e
 to the kept fraction, the mask tracker in DDP (warm-up, rebuild, ranks that disagree, re-pruning),
 channels_last, and checkpoints.
 
-The multi-rank tests read one cached rank job per world size (tests/compressors/pactrain_jobs.py). The support
-index and the tracker's state machine have their own files: tests/packing/test_support.py and test_tracker.py.
+The multi-rank tests read one cached rank job per world size (tests/compressors/pactrain_jobs.py). The supports
+and the tracker's state machine have their own files: test_pactrain_support.py and test_pactrain_tracker.py.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from torch.nn.utils import prune
 
 from gcomp import BucketInfo
 from gcomp.collectives.bitpack import WORD_BITS, fields_per_word, lane_bits, pack, packed_words, unpack
-from gcomp.compressors import scale_grid
 from gcomp.compressors.pactrain import PacTrainCompressor
+from gcomp.compressors.pactrain import codec as scale_grid
 from gcomp.pruning import mask_of
 from tests.compressors import pactrain_jobs as jobs
 from tests.distributed import run_ranks_once
@@ -78,7 +78,7 @@ def _compressors(world: int, model: nn.Module, **params) -> list[PacTrainCompres
     for rank in range(world):
         comp = PacTrainCompressor(stable_steps=1, seed=rank, **params)  # its own seed: independent draws
         comp.bind(model, None, {})
-        comp.world_size = world
+        comp.world = world
         comps.append(comp)
     return comps
 
@@ -92,7 +92,7 @@ def _max(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _exchange(comps, info: BucketInfo, grads: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
     """One step of every simulated rank: returns the mode and what each rank decoded."""
-    payloads = [c.compress(g.clone(), info) for c, g in zip(comps, grads)]
+    payloads = [c.encode(g.clone(), {}, info)[0] for c, g in zip(comps, grads)]
     mode = payloads[0].ctx.mode
     assert all(p.ctx.mode == mode for p in payloads)
     if mode == "ternary":
@@ -105,7 +105,7 @@ def _exchange(comps, info: BucketInfo, grads: list[torch.Tensor]) -> tuple[str, 
         received = [torch.stack([p.tensors[0] for p in payloads]).sum(0)]
         if mode == "tracking":
             received.append(_max([p.tensors[1] for p in payloads]))
-    return mode, [c.decompress([t.clone() for t in received], p.ctx) for c, p in zip(comps, payloads)]
+    return mode, [c.decode([t.clone() for t in received], p.ctx) for c, p in zip(comps, payloads)]
 
 
 def _reach(mode: str, comps, info: BucketInfo, grads) -> None:
