@@ -14,12 +14,13 @@ from typing import Annotated
 from gcomp.collectives.reduce import ChainedAllreduceCommunicator
 from gcomp.compressors.pactrain.codec import PacTrainCompressor
 from gcomp.compressors.pactrain.tracker import ENTRIES, GROUPS, MaskTracker
-from gcomp.memory import NoMemory
+from gcomp.core import NoMemory
 from gcomp.method import Method
 from gcomp.params import Range
 from gcomp.registry import register
 
-__all__ = ["ENTRIES", "GROUPS", "MaskTracker", "PacTrainCompressor", "PacTrainMethod"]
+__all__ = ["ENTRIES", "GROUPS", "ROUNDS_HELP", "MaskTracker", "PacTrainCompressor", "PacTrainMethod",
+           "warn_unused_ternary_options"]
 
 
 class PacTrainMethod(Method):

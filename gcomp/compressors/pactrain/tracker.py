@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from gcomp.bucket import BucketInfo
-from gcomp.pruning.masks import masks_digest, named_masks
+from gcomp.pruning.masks import mask_of, masks_digest, named_masks
 from gcomp.state_checks import check_state
 
 TRACKING, PACKED, DENSE = "tracking", "packed", "dense"
@@ -92,7 +92,6 @@ class MaskTracker:
         self._restored: dict[str, dict] = {}  # checkpointed tracks, taken up when their layout comes back
         self._installed: dict[str, tuple] = {}  # each mask's (identity, version) at bind
         self._agreed: dict[str, torch.Tensor] | None = None  # bool copies of the masks every rank held at bind
-        self._slots: dict[str, tuple] = {}  # per parameter name: (module, attribute) where its mask would be
         self.sync_bumps = SyncBumps()
 
     def watch(self, ddp: nn.Module) -> None:
@@ -120,23 +119,7 @@ class MaskTracker:
         self._agreed = {name: mask.detach() != 0 for name, mask in named_masks(self.model).items()}
 
     def _masks(self, info: BucketInfo) -> list[torch.Tensor | None]:
-        """The masks of ``info``'s parameters, None where unpruned. A name taken before pruning renamed the
-        parameter (``"0.weight"``, now ``"0.weight_orig"``) finds its mask too (``gcomp.pruning.mask_of``)."""
-        if self.model is None:
-            return [None] * len(info.names)
-        out = []
-        for name in info.names:
-            slot = self._slots.get(name)
-            if slot is None:
-                path, _, attr = name.rpartition(".")
-                try:
-                    slot = self._slots[name] = (self.model.get_submodule(path), attr.removesuffix("_orig"))
-                except AttributeError:
-                    slot = self._slots[name] = (None, "")
-            module, base = slot
-            pruned = module is not None and base + "_orig" in module._parameters
-            out.append(module._buffers.get(base + "_mask") if pruned else None)
-        return out
+        return [None if self.model is None else mask_of(self.model, name) for name in info.names]
 
     def _signature(self, info: BucketInfo) -> tuple:
         return tuple(None if m is None else self.sync_bumps.version_of(m) for m in self._masks(info))
