@@ -20,7 +20,10 @@ from gcomp.collectives.bitpack import WORD_BITS, fields_per_word, lane_bits, pac
 from gcomp.compressors.pactrain import PacTrainCompressor
 from gcomp.compressors.pactrain import codec as scale_grid
 from gcomp.pruning import mask_of
+from gcomp.registry import from_spec
+from gcomp.testing.ops import check_bounded
 from tests.compressors import pactrain_jobs as jobs
+from tests.compressors.device_count_jobs import SMALL, job_packed_counts
 from tests.distributed import run_ranks_once
 
 # --- integer lanes up to 1024 ranks --------------------------------------------------------------------------------
@@ -269,6 +272,34 @@ def test_nonfinite_on_the_support_surfaces_on_every_rank(ternary, bad):
     grads[1][where] = 0.0
     _, decoded = _exchange(comps, info, grads)
     assert all(torch.isfinite(d).all() for d in decoded)
+
+
+def test_lossless_decodes_the_dense_sum_on_the_support_bit_for_bit():
+    model, info, support = _tiny_pruned()
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(info.numel, generator=g) for _ in range(2)]
+    grads[0][support.nonzero()[:3]] = -0.0  # a negative zero's sign survives the scatter
+    comps = _compressors(2, model)
+    _reach("packed", comps, info, grads)
+    _, decoded = _exchange(comps, info, grads)
+    expected = torch.where(support, grads[0] + grads[1], torch.zeros(()))
+    for d in decoded:
+        assert torch.equal(d.view(torch.int32), expected.view(torch.int32))
+
+
+# --- one bucket's operations do not grow with its parameters or entries ------------------------------------------
+
+def _counts() -> dict:
+    specs = ["pactrain", "prunex", "pactrain:ternary=true"]
+    return run_ranks_once(("packed-device-counts",), 2, job_packed_counts, specs, SMALL, timeout=600)[0]
+
+
+@pytest.mark.parametrize("spec", ["pactrain", "prunex", "pactrain:ternary=true"])
+def test_a_packed_bucket_is_bucket_wide_with_one_declared_host_read(spec):
+    counts = _counts()
+    assert counts[(spec, *SMALL[0])]["ops"].get("index_select")  # a packed step was counted, not a tracking one
+    check_bounded(spec, counts, from_spec(spec).host_syncs, SMALL)
+    assert from_spec(spec).host_syncs == 1
 
 
 # --- pruned models under DDP: one rank job per world size ------------------------------------------------------------

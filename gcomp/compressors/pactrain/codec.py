@@ -80,7 +80,7 @@ class PacTrainCompressor(ChainedCompressor):
             raise ValueError(f"rounds must be 1 or 2, got {rounds!r}")
         self.tracker = MaskTracker(stable_steps, dense_above, granularity, check_every)
         self.ternary, self.clip, self.error_feedback, self.rounds = ternary, clip, error_feedback, rounds
-        self.stream = Stream(seed, "pactrain")
+        self.stream = Stream(seed, "pactrain", 0)
         self.world, self.sharded, self.stats = 1, False, {}
         # one host read per step: the flags the step before received, copied to the host then (``HostFlags``); they
         # decide which collective this step makes, so every rank must know them on the host
