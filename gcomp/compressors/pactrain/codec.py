@@ -14,7 +14,7 @@ from gcomp.compressors.pactrain.support import ShardSupport, bucket_support
 from gcomp.compressors.pactrain.tracker import (DENSE, ENTRIES, GROUPS, PACKED, TRACKING, BucketTrack, Carry,
                                                MaskTracker, flag_set, receive_changed, receive_flags,
                                                tracking_flags)
-from gcomp.core import EXACT, MAX, SUM, UNBIASED, Keeps, Payload, Traits
+from gcomp.core import EXACT, MAX, SUM, UNBIASED, Fidelity, Keeps, Payload, Traits
 from gcomp.pruning.masks import parameter_of
 from gcomp.randomness import Stream
 from gcomp.sharding import ShardLayout
@@ -84,7 +84,9 @@ class PacTrainCompressor(ChainedCompressor):
         self.world, self.sharded, self.stats = 1, False, {}
         # one host read per step: the flags the step before received, copied to the host then (``HostFlags``); they
         # decide which collective this step makes, so every rank must know them on the host
-        self.traits = Traits(fidelity=UNBIASED if ternary else EXACT, keeps=Keeps.LAYOUT, rows="native",
+        # clipping at c std biases at most a share 1 / c**2 of a parameter's entries (Chebyshev)
+        fidelity = EXACT if not ternary else Fidelity("unbiased", min(1.0, 1 / clip ** 2)) if clip > 0 else UNBIASED
+        self.traits = Traits(fidelity=fidelity, keeps=Keeps.LAYOUT, rows="native",
                              reads_model=True, host_syncs=1, stat_keys=STAT_KEYS)
 
     def bind(self, model, group, stats) -> None:
