@@ -1,13 +1,11 @@
-"""Rank jobs for the device path of pactrain, prunex and powersgd (``gcomp.kernels.forced`` inside each rank).
+"""Rank jobs that count one bucket's operations for pactrain and prunex with the same masks on every rank.
 
-``gcomp.testing.ops.count_reduction`` prunes each rank's model from that rank's own random stream, so pactrain's
-ranks hold different masks and its counted step is a tracking one; ``job_packed_counts`` prunes alike on every
-rank (the same seed), so the counted step is a packed one (one round for ``ternary=true``)."""
+``gcomp.testing.ops.count_reduction`` prunes each rank from the same seed; ``job_packed_counts`` seeds the global
+stream alike on every rank first too, so that the counted step is a packed one (one round for ``ternary=true``)."""
 from __future__ import annotations
 
 import torch
 
-from gcomp import kernels
 from gcomp.testing.ops import CONFIGS, count_reduction, spec_maker
 
 # smaller than the issue's (4 and 64 parameters of 64 K entries, 4 of 16 M): the same growth shows
@@ -23,9 +21,3 @@ def job_packed_counts(specs: list[str], configs=CONFIGS, seed: int = 1234) -> di
             counts = count_reduction(spec_maker(spec), params, numel, warm_steps=4)
             out[(spec, params, numel)] = {"ops": dict(counts["ops"]), "syncs": dict(counts["syncs"])}
     return out
-
-
-def job_on_device_path(fn, *args):
-    """``fn(*args)`` (a module-level rank job) with every codec on its device path."""
-    with kernels.forced():
-        return fn(*args)

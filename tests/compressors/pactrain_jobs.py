@@ -17,8 +17,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 import gcomp
-from gcomp.ddp_options import no_buffer_sync
-from gcomp.pruning import named_masks
+from gcomp.pruning import named_masks, no_buffer_sync
 from tests import models
 
 STEPS = 12

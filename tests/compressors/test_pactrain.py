@@ -3,8 +3,8 @@ trained under DDP on 2-4 ranks: equal to plain DDP, replicas identical, pruned e
 to the kept fraction, the mask tracker in DDP (warm-up, rebuild, ranks that disagree, re-pruning),
 channels_last, and checkpoints.
 
-The multi-rank tests read one cached rank job per world size (tests/compressors/pactrain_jobs.py). The support
-index and the tracker's state machine have their own files: tests/packing/test_support.py and test_tracker.py.
+The multi-rank tests read one cached rank job per world size (tests/compressors/pactrain_jobs.py). The supports
+and the tracker's state machine have their own files: test_pactrain_support.py and test_pactrain_tracker.py.
 """
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ from torch.nn.utils import prune
 
 from gcomp import BucketInfo
 from gcomp.collectives.bitpack import WORD_BITS, fields_per_word, lane_bits, pack, packed_words, unpack
-from gcomp.compressors import scale_grid
 from gcomp.compressors.pactrain import PacTrainCompressor
+from gcomp.compressors.pactrain import codec as scale_grid
 from gcomp.pruning import mask_of
+from gcomp.registry import from_spec
+from gcomp.testing.ops import check_bounded
 from tests.compressors import pactrain_jobs as jobs
+from tests.compressors.device_count_jobs import SMALL, job_packed_counts
 from tests.distributed import run_ranks_once
 
 # --- integer lanes up to 1024 ranks --------------------------------------------------------------------------------
@@ -78,7 +81,7 @@ def _compressors(world: int, model: nn.Module, **params) -> list[PacTrainCompres
     for rank in range(world):
         comp = PacTrainCompressor(stable_steps=1, seed=rank, **params)  # its own seed: independent draws
         comp.bind(model, None, {})
-        comp.world_size = world
+        comp.world = world
         comps.append(comp)
     return comps
 
@@ -92,7 +95,7 @@ def _max(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _exchange(comps, info: BucketInfo, grads: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
     """One step of every simulated rank: returns the mode and what each rank decoded."""
-    payloads = [c.compress(g.clone(), info) for c, g in zip(comps, grads)]
+    payloads = [c.encode(g.clone(), {}, info)[0] for c, g in zip(comps, grads)]
     mode = payloads[0].ctx.mode
     assert all(p.ctx.mode == mode for p in payloads)
     if mode == "ternary":
@@ -105,7 +108,7 @@ def _exchange(comps, info: BucketInfo, grads: list[torch.Tensor]) -> tuple[str, 
         received = [torch.stack([p.tensors[0] for p in payloads]).sum(0)]
         if mode == "tracking":
             received.append(_max([p.tensors[1] for p in payloads]))
-    return mode, [c.decompress([t.clone() for t in received], p.ctx) for c, p in zip(comps, payloads)]
+    return mode, [c.decode([t.clone() for t in received], p.ctx) for c, p in zip(comps, payloads)]
 
 
 def _reach(mode: str, comps, info: BucketInfo, grads) -> None:
@@ -269,6 +272,34 @@ def test_nonfinite_on_the_support_surfaces_on_every_rank(ternary, bad):
     grads[1][where] = 0.0
     _, decoded = _exchange(comps, info, grads)
     assert all(torch.isfinite(d).all() for d in decoded)
+
+
+def test_lossless_decodes_the_dense_sum_on_the_support_bit_for_bit():
+    model, info, support = _tiny_pruned()
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(info.numel, generator=g) for _ in range(2)]
+    grads[0][support.nonzero()[:3]] = -0.0  # a negative zero's sign survives the scatter
+    comps = _compressors(2, model)
+    _reach("packed", comps, info, grads)
+    _, decoded = _exchange(comps, info, grads)
+    expected = torch.where(support, grads[0] + grads[1], torch.zeros(()))
+    for d in decoded:
+        assert torch.equal(d.view(torch.int32), expected.view(torch.int32))
+
+
+# --- one bucket's operations do not grow with its parameters or entries ------------------------------------------
+
+def _counts() -> dict:
+    specs = ["pactrain", "prunex", "pactrain:ternary=true"]
+    return run_ranks_once(("packed-device-counts",), 2, job_packed_counts, specs, SMALL, timeout=600)[0]
+
+
+@pytest.mark.parametrize("spec", ["pactrain", "prunex", "pactrain:ternary=true"])
+def test_a_packed_bucket_is_bucket_wide_with_one_declared_host_read(spec):
+    counts = _counts()
+    assert counts[(spec, *SMALL[0])]["ops"].get("index_select")  # a packed step was counted, not a tracking one
+    check_bounded(spec, counts, from_spec(spec).host_syncs, SMALL)
+    assert from_spec(spec).host_syncs == 1
 
 
 # --- pruned models under DDP: one rank job per world size ------------------------------------------------------------

@@ -1,124 +1,116 @@
-"""PacTrain's ternary codec as a component (``gcomp.compressors.pactrain_ternary``): made and bound on its own, with
-no compressor around it, driven part by part on a small support; and the one-round lane layout that DDP's lanes
-and FSDP2's rows share (``fill_lanes``, ``split_lanes``). The codec inside PacTrain, on simulated and real ranks:
-tests/compressors/test_pactrain.py."""
+"""pactrain's ternary path on one simulated rank: error feedback keeps exactly what the codes did not carry, one-round
+steps are counted; and its carried scale (``codec.grid_scale`` and the counting lanes in the step's SUM)."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gcomp.compressors import scale_grid
-from gcomp.compressors.pactrain_ternary import FLAGS, TernaryCodec, fill_lanes, split_lanes, split_scales
-from gcomp.compressors.quantise import RankGenerator
-from gcomp.packing.state import Carry, LayoutState, TernaryWork
-from gcomp.packing.support import SupportIndex
+from gcomp.compressors.pactrain import codec as grid
+from tests.compressors.test_pactrain import _compressors, _exchange, _reach, _tiny_pruned
 
-NUMELS = (6, 20, 14)  # three parameters: a bucket's segments
-
-
-def _support() -> tuple[SupportIndex, torch.Tensor]:
-    kept = torch.ones(sum(NUMELS), dtype=torch.bool)
-    kept[[0, 7, 8, 9, 21, 30, 31]] = False
-    return SupportIndex(kept, NUMELS), kept
+POSITIVE = st.floats(min_value=2.0**-120, max_value=2.0**120, allow_nan=False, allow_infinity=False)
 
 
-def _gradient(kept: torch.Tensor) -> torch.Tensor:
-    g = torch.randn(kept.numel(), generator=torch.Generator().manual_seed(3)) * kept
-    g[10] = 0.0  # a kept entry at zero: decoded exactly 0
-    return g
+@settings(max_examples=300, deadline=None)
+@given(st.lists(POSITIVE, min_size=1, max_size=20))
+def test_grid_exponent_is_the_lowest_grid_point_at_or_above(values):
+    m = torch.tensor(values, dtype=torch.float32)
+    k = grid.grid_exponent(m)
+    assert (grid.grid_scale(k) >= m).all()
+    assert (grid.grid_scale(k - 1) < m).all()
+    assert (grid.grid_scale(k) <= m * 2 ** (1 / grid.PER_OCTAVE) * (1 + 1e-6)).all()
 
 
-def test_the_codec_needs_no_host_a_standalone_one_runs_every_part_on_one_rank_unbiased():
-    """Made with its configuration and its own generator, bound with a world size and a counter, the codec runs
-    gather -> scales -> codes -> pack -> unpack -> decode with only the support and the layout's state passed in:
-    on 1 rank (fixed seed) the decoded values are ``scale * t`` (t in {-1, 0, 1}, the right shape, zero off the
-    support) and their mean over many steps is the gradient, within 6 standard errors."""
-    support, kept = _support()
-    grad = _gradient(kept)
-    counted: list[str] = []
-    codec = TernaryCodec(rounds=2, random=RankGenerator(11, "test"))
-    codec.bind(1, counted.append)
-    state = LayoutState()
-    samples, total = 2000, torch.zeros(grad.numel(), dtype=torch.float64)
-    for step in range(samples):
-        values = codec.gather_values(support, state, grad)
-        assert torch.equal(values, grad[kept]) and isinstance(state.ternary, TernaryWork)
-        scales = codec.local_scales(support, state, changed=step == 0)
-        assert scales.shape == (len(NUMELS) + 2,) and scales[-2] == (step == 0) and scales[-1] == 0
-        assert codec.carried_scale(state.carry) is None  # rounds=2: never one round
-        words = codec.code_words(support, state, split_scales(scales)[0])  # the MAX over 1 rank: scales
-        assert words.dtype == torch.int64 and words.shape == (codec.words(support.kept),)
-        shared, nonfinite, changed = codec.receive_scales(state.carry, scales)  # the SUM over 1 rank: words
-        assert changed.item() == (step == 0) and state.carry.exponents is not None
-        decoded = support.scatter(codec.decode_values(support, state, shared, nonfinite, words),
-                                  torch.full_like(grad, float("nan")))
-        assert decoded.shape == grad.shape and (decoded[~kept] == 0).all()
-        total += decoded.double()
-    assert counted == []  # two rounds, no resync: nothing to count
-    scale = torch.cat([torch.full((part.numel(),), float(part.abs().max())) for part in grad.split(NUMELS)]).double()
-    mean, g = total / samples, grad.double()
-    assert mean[10] == 0 and (mean[~kept] == 0).all()
-    variance = scale * g.abs() - g**2
-    assert ((mean - g).abs() <= 6 * (variance / samples).sqrt() + 1e-6).all()
+def test_grid_scale_is_exact_on_octaves_and_zero_when_unset():
+    k = torch.tensor([0, grid.PER_OCTAVE, -3 * grid.PER_OCTAVE, grid.UNSET])
+    assert grid.grid_scale(k).tolist() == [1.0, 2.0, 0.125, 0.0]
+    m = torch.tensor([0.0, math.nan, math.inf, 1.0])
+    assert grid.grid_exponent(m).tolist() == [grid.UNSET, grid.UNSET, grid.UNSET, 0]
 
 
-def test_a_standalone_codec_goes_one_round_with_the_scale_it_carried_and_counts_it():
-    support, kept = _support()
-    grad = _gradient(kept)
-    counted: list[str] = []
-    codec = TernaryCodec(random=RankGenerator(5, "test"))  # rounds=1
-    codec.bind(1, counted.append)
-    state = LayoutState()
-    codec.gather_values(support, state, grad)
-    scales = codec.local_scales(support, state)
-    assert codec.carried_scale(state.carry) is None  # the first packed step: two rounds
-    words = codec.code_words(support, state, scales[:-2])
-    codec.receive_scales(state.carry, scales)
-    codec.decode_values(support, state, scales[:-2], scales[-1], words)
-    for _ in range(3):
-        codec.gather_values(support, state, grad)
-        scales = codec.local_scales(support, state)
-        exponents, shared = codec.carried_scale(state.carry)
-        assert torch.equal(shared, scale_grid.grid_scale(exponents))
-        lanes = codec.one_round_lanes(support, state, scales, exponents, shared)
-        n = codec.words(support.kept)
-        assert lanes.shape == (n + scale_grid.hist_words(len(NUMELS), 1) + FLAGS,)
-        code_words, nonfinite, changed = codec.receive_lanes(state.carry, lanes, n, exponents)
-        decoded = codec.decode_values(support, state, shared, nonfinite, code_words)
-        steps = decoded / shared.repeat_interleave(torch.tensor(support.segments))
-        assert torch.equal(steps, steps.round()) and steps.abs().max() <= 1 and changed.item() == 0
-    assert counted == ["one_round_buckets"] * 3
+def _sum_over_ranks(local: list[torch.Tensor], k: torch.Tensor):
+    world = len(local)
+    lanes, flags = zip(*(grid.marks(m, k, world) for m in local))
+    return torch.stack(lanes).sum(0), int(sum(flags))
 
 
-def test_the_codec_keeps_its_residual_in_the_carry_with_error_feedback():
-    support, kept = _support()
-    grad = _gradient(kept)
-    codec = TernaryCodec(error_feedback=True, rounds=2, random=RankGenerator(1, "test"))
-    codec.bind(1)
-    state = LayoutState()
-    values = codec.gather_values(support, state, grad).clone()
-    scales = codec.local_scales(support, state)
-    words = codec.code_words(support, state, scales[:-2])
-    decoded = codec.decode_values(support, state, scales[:-2], scales[-1], words).clone()
-    assert isinstance(state.carry, Carry) and torch.allclose(state.carry.residual + decoded, values)
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 6), st.data())
+def test_the_summed_lanes_give_the_grid_point_of_the_max_over_ranks(world, segments, data):
+    """Every rank marks its own largest value; the SUM of the lanes tells the highest mark, so the next
+    exponent is the grid point of the largest value over all ranks, exactly, as a MAX would give it."""
+    k = torch.tensor(data.draw(st.lists(st.integers(-400, 400), min_size=segments, max_size=segments)))
+    # each rank's largest value within the slots' span around this step's scale (or zero: no mark)
+    local = []
+    for _ in range(world):
+        offsets = data.draw(st.lists(st.floats(-3.9, 3.8), min_size=segments, max_size=segments))
+        zero = data.draw(st.lists(st.booleans(), min_size=segments, max_size=segments))
+        local.append(torch.tensor([0.0 if z else float(grid.grid_scale(torch.tensor(kj))) * 2.0 ** o
+                                   for kj, o, z in zip(k.tolist(), offsets, zero)], dtype=torch.float32))
+    lanes, resync = _sum_over_ranks(local, k)
+    assert resync == 0
+    nxt = grid.next_exponent(lanes, k, world)
+    largest = torch.stack(local).amax(0)
+    expected = torch.where(largest > 0, grid.grid_exponent(largest), k)
+    assert torch.equal(nxt, expected)
 
 
-@pytest.mark.parametrize("lead", [(), (4,)], ids=["ddp-flat", "fsdp-rows"])
-def test_the_lane_layout_round_trips_for_a_flat_vector_and_for_rows(lead):
-    """``fill_lanes`` lays out code words, counting lanes and the 3 counts (non-finite, changed, resync) for
-    DDP's flat lanes and alike in every row of FSDP2's (world, ...) matrix; ``split_lanes`` takes a received
-    vector apart again."""
-    words = torch.arange(1, 1 + 3 * (lead[0] if lead else 1), dtype=torch.int64).reshape(*lead, 3)
-    hist = torch.tensor([7, 8], dtype=torch.int64)
-    scales = torch.tensor([0.5, 2.0, 1.0, 0.0])  # two scales, then changed, non-finite
-    lanes = fill_lanes(words, hist, scales, torch.tensor(2))  # (a resync count of 2: told apart from the others)
-    assert lanes.shape == (*lead, 3 + 2 + FLAGS) and lanes.dtype == torch.int64
-    for r, row in enumerate(lanes.reshape(-1, lanes.shape[-1])):
-        codes, got_hist, nonfinite, changed, resync = split_lanes(row, 3)
-        assert torch.equal(codes, words.reshape(-1, 3)[r]) and torch.equal(got_hist, hist)
-        assert (nonfinite.shape, changed.shape, resync.shape) == ((), (1,), (1,))
-        assert (int(nonfinite), int(changed), int(resync)) == (0, 1, 2)
-    rows = lanes.reshape(-1, lanes.shape[-1])
-    _, got_hist, nonfinite, changed, resync = split_lanes(rows.sum(0), 3)  # summed: each slot adds up apart
-    assert torch.equal(got_hist, len(rows) * hist)
-    assert (int(nonfinite), int(changed), int(resync)) == (0, len(rows), 2 * len(rows))
+def test_a_value_beyond_the_span_or_without_a_scale_asks_for_a_resync():
+    k = torch.tensor([0, grid.UNSET, 0])
+    within = torch.tensor([1.5, 0.0, 0.0])
+    assert _sum_over_ranks([within, within], k)[1] == 0
+    assert _sum_over_ranks([within, torch.tensor([1.0, 0.0, 2.0**5])], k)[1] == 1  # 5 octaves up
+    assert _sum_over_ranks([within, torch.tensor([1.0, 3.0, 0.0])], k)[1] == 1  # no scale yet
+    # far below moves the scale down by the span at most, with no resync
+    lanes, resync = _sum_over_ranks([torch.tensor([2.0**-20, 0.0, 0.0])], k)
+    assert resync == 0 and grid.next_exponent(lanes, k, 1).tolist() == [-grid.CENTRE, grid.UNSET, 0]
+
+
+@pytest.mark.parametrize("world", [2, 4, 1024])
+def test_lanes_never_carry_into_the_next_slot(world):
+    """Every rank marking the same slot sums to the world size, which the lane holds."""
+    k = torch.zeros(3, dtype=torch.int64)
+    lanes, _ = grid.marks(torch.tensor([1.0, 3.0, 0.25]), k, world)
+    total = lanes * world  # all ranks alike
+    assert grid.next_exponent(total, k, world).tolist() == grid.grid_exponent(torch.tensor([1.0, 3.0, 0.25])).tolist()
+    assert lanes.numel() == grid.hist_words(3, world)
+
+
+def test_grid_scale_is_the_table_of_eighth_octaves():
+    k = torch.arange(-3 * grid.PER_OCTAVE, 3 * grid.PER_OCTAVE)
+    expected = torch.tensor([2.0 ** (int(j) / grid.PER_OCTAVE) for j in k], dtype=torch.float32)
+    assert torch.equal(grid.grid_scale(k), expected)
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_error_feedback_keeps_what_the_codes_did_not_carry(rounds):
+    """One rank: what it decodes plus the residual it keeps is its gradient on the support plus the residual it
+    held, step after step (one round: against the carried scale, whose excess is in the residual too)."""
+    model, info, support = _tiny_pruned()
+    comps = _compressors(1, model, ternary=True, error_feedback=True, rounds=rounds)
+    g = torch.Generator().manual_seed(7)
+    _reach("ternary", comps, info, [torch.randn(info.numel, generator=g)])
+    track = comps[0].tracker.tracks[info.key]
+    for step in range(4):
+        grad = torch.randn(info.numel, generator=g) * (3.0 if step == 2 else 1.0)
+        held = track.carry.residual.clone()
+        mode, decoded = _exchange(comps, info, [grad])
+        assert mode == ("ternary" if rounds == 2 else "ternary1")
+        kept = support.nonzero().reshape(-1)
+        torch.testing.assert_close(decoded[0][kept] + track.carry.residual, grad[kept] + held)
+        assert (decoded[0][~support] == 0).all()
+
+
+def test_one_round_steps_and_resyncs_are_counted():
+    model, info, _ = _tiny_pruned()
+    comps = _compressors(2, model, ternary=True)
+    for c in comps:
+        c.stats = {"one_round_buckets": 0, "scale_resyncs": 0, "packed_buckets": 0}
+    grads = [torch.randn(info.numel, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    _reach("ternary", comps, info, grads)
+    assert [_exchange(comps, info, grads)[0] for _ in range(3)] == ["ternary1"] * 3
+    assert all(c.stats == {"one_round_buckets": 3, "scale_resyncs": 0, "packed_buckets": 4} for c in comps)

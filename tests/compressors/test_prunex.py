@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 import gcomp
-from gcomp.compressors.quantise import stream_seed
 from gcomp.pruning import StructuredADMM, mask_of
-from gcomp.packing.support import bucket_support
+from gcomp.compressors.pactrain.support import bucket_support
+from gcomp.randomness import stream_seed
 from gcomp.testing.buckets import FakeBucket
 from tests.distributed import run_ranks
 from tests.models import ddp, flat_params
@@ -47,7 +47,8 @@ def images(step: int, rank: int, size: int = 8) -> tuple[torch.Tensor, torch.Ten
 def _support(model: nn.Module, params: list[nn.Parameter]) -> torch.Tensor:
     names = {id(p): n for n, p in model.named_parameters()}
     layout = [(p.size(), p.stride(), mask_of(model, names[id(p)])) for p in params]
-    return bucket_support(layout, sum(p.numel() for p in params))
+    support = bucket_support(layout, sum(p.numel() for p in params), "cpu")
+    return torch.zeros(support.numel, dtype=torch.bool).index_fill_(0, support.positions.long(), True)
 
 
 def reduce_job(steps: int = 5) -> dict:
@@ -190,10 +191,11 @@ def test_admm_hard_prune_mid_training_is_compacted_with_the_same_masks_on_every_
 def test_ternary_options_reach_the_inter_node_stage():
     method = gcomp.create("prunex", ternary=True, clip=2.5, error_feedback=True, seed=3)
     packer = method.inner.compressor
-    assert (packer.ternary, packer.clip, packer.error_feedback, packer.seed) == (True, 2.5, True, 3)
+    assert (packer.ternary, packer.clip, packer.error_feedback, packer.stream.seed) == (True, 2.5, True, 3)
     assert method.params["clip"] == 2.5 and method.params["seed"] == 3 and method.params["error_feedback"]
     # the draws come from the seed given: each leader's stream as pactrain seeds it
-    assert packer.random("cpu").initial_seed() == stream_seed(3, "pactrain", 0) != stream_seed(0, "pactrain", 0)
+    assert packer.stream.next("cpu").initial_seed() == stream_seed(3, "pactrain", 0, "draw 0") \
+        != stream_seed(0, "pactrain", 0, "draw 0")
 
 
 @pytest.mark.parametrize("params, message", [

@@ -23,10 +23,10 @@ def _inputs(numel: int, seed: int, dtype=torch.float32) -> torch.Tensor:
 def _residual(method, layout) -> torch.Tensor:
     track = getattr(method.compressor, "tracker", None)
     track = track.tracks.get(layout.params.key) if track is not None else None
-    if track is not None and track.support is not None and track.state.carry.residual is not None:
+    if track is not None and track.support is not None and track.carry.residual is not None:
         # pactrain's ternary residual: the rank's kept entries, parameter by parameter, back at their positions
-        values = track.support.ternary.values
-        return torch.zeros(layout.numel).index_copy_(0, values.index, track.state.carry.residual.float())
+        positions = track.support.ternary.positions
+        return torch.zeros(layout.numel).index_copy_(0, positions, track.carry.residual.float())
     memory = getattr(method.compressor, "memory", method.memory)
     held = memory.state_dict().get("residuals", {})
     parts = [held.get(name, torch.zeros(n)) for name, n in zip(layout.pieces.names, layout.pieces.numels)]
@@ -72,7 +72,7 @@ def job_contracts(configs=CONFIGS) -> dict:
             call_bytes.append(state.stats["bytes_sent"] - before)
         track = getattr(state.method.compressor, "tracker", None)
         track = track.tracks.get(comm.layout.params.key) if track is not None else None
-        exponents = track.state.carry.exponents if track is not None else None
+        exponents = track.carry.exponents if track is not None else None
         layout = comm.layout
         mine = total.view(world, -1)[rank]
         shards = [torch.empty_like(steps[0]) for _ in range(world)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gcomp.collectives import bitpack
-from gcomp.compressors import scale_grid
+from gcomp.compressors.pactrain import codec as scale_grid
 from gcomp.fsdp import fsdp_methods
 from tests.distributed import run_ranks_once
 from tests.fsdp import contract_jobs as jobs

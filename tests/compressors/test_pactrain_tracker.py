@@ -1,4 +1,5 @@
-"""PacTrain's mask tracker (``gcomp.packing.tracker``): its state machine, step by step, on simulated ranks.
+"""PacTrain's mask tracker (``gcomp.compressors.pactrain.tracker``): its state machine, step by step, on simulated
+ranks; its checkpoint entries; DDP's buffer broadcasts told from mask edits (``SyncBumps``).
 
 Each rank is a copy of one small pruned model with its own ``MaskTracker``; the collectives the tracker relies
 on are computed here: the MAX of the tracking flags, the SUM of the packed steps' "changed" counters. The same
@@ -6,6 +7,8 @@ machine inside DDP (warm-up, rebuild, real ranks) is tested in tests/compressors
 """
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
 from typing import Callable
 
@@ -15,8 +18,11 @@ from torch import nn
 from torch.nn.utils import prune
 
 from gcomp import BucketInfo
-from gcomp.packing.state import LayoutState
-from gcomp.packing.tracker import DENSE, PACKED, TRACKING, MaskTracker
+from gcomp.compressors.pactrain.support import bucket_support
+from gcomp.compressors.pactrain.tracker import (DENSE, PACKED, TRACKING, BucketTrack, Carry, HostFlags, MaskTracker,
+                                               Slot, SyncBumps, flag_set, receive_changed, receive_flags,
+                                               tracking_flags)
+from gcomp.testing.ops import counting
 
 STATS = ("freezes", "unfreezes", "mask_mismatches")
 
@@ -35,6 +41,24 @@ def _info(model: nn.Module, names: list[str], index: int = 0) -> BucketInfo:
 
 
 BUCKET = ["1.bias", "1.weight_orig", "0.bias", "0.weight_orig"]  # DDP's order: last layer first
+
+
+def _builder(tracker: MaskTracker, info: BucketInfo, calls: list | None = None):
+    """A support builder as the codec passes one (``masks -> Support``), noting each call's masks in ``calls``."""
+    params = dict(tracker.model.named_parameters()) if tracker.model is not None else {}
+
+    def build(masks):
+        if calls is not None:
+            calls.append(masks)
+        layout = [(torch.Size([n]), (1,), None) if m is None else (params[name].size(), params[name].stride(), m)
+                  for name, n, m in zip(info.names, info.numels, masks)]
+        return bucket_support(layout, info.numel, "cpu")
+
+    return build
+
+
+def _decide(tracker: MaskTracker, info: BucketInfo):
+    return tracker.decide(info, _builder(tracker, info))
 
 
 class Ranks:
@@ -56,18 +80,18 @@ class Ranks:
 
     def step(self, info: BucketInfo) -> str:
         """Every rank decides; the flags or counters they send are reduced and handed back. Returns the mode."""
-        decided = [t.decide(info, "cpu") for t in self.trackers]
+        decided = [_decide(t, info) for t in self.trackers]
         modes = {track.mode for track, _ in decided}
         assert len(modes) == 1, f"ranks disagree on the mode: {modes}"
         mode = modes.pop()
         if mode == TRACKING:
-            flags = torch.stack([MaskTracker.flags(track, changed, "cpu") for track, changed in decided]).amax(0)
+            flags = torch.stack([tracking_flags(track, changed, "cpu") for track, changed in decided]).amax(0)
             for track, _ in decided:
-                MaskTracker.receive_flags(track, flags.clone())
+                receive_flags(track, flags.clone())
         elif mode == PACKED:
             changed = torch.tensor([float(sum(changed for _, changed in decided))])
             for track, _ in decided:
-                MaskTracker.receive_changed(track, changed.clone())
+                receive_changed(track, changed.clone())
         self.tracks = [track for track, _ in decided]
         return mode
 
@@ -112,9 +136,7 @@ def test_freezes_after_stable_steps_and_packs_the_mask_support(world, stable_ste
     for track in ranks.tracks:
         assert track.support.kept == int(expected.sum()) and track.support.numel == info.numel
         assert torch.equal(track.support.digest, ranks.tracks[0].support.digest)
-    bucket = torch.arange(1.0, info.numel + 1)
-    assert torch.equal(ranks.tracks[0].support.scatter(bucket[expected], torch.empty(info.numel)),
-                       torch.where(expected, bucket, 0.0))
+    assert torch.equal(ranks.tracks[0].support.positions.long(), expected.nonzero().reshape(-1))
 
 
 def test_candidate_digest_is_sent_on_the_candidate_step_only():
@@ -122,12 +144,12 @@ def test_candidate_digest_is_sent_on_the_candidate_step_only():
     info = _info(ranks.models[0], BUCKET)
     sent = []
     for _ in range(3):
-        track, changed = ranks.trackers[0].decide(info, "cpu")
-        sent.append(MaskTracker.flags(track, changed, "cpu"))
+        track, changed = _decide(ranks.trackers[0], info)
+        sent.append(tracking_flags(track, changed, "cpu"))
         for t in ranks.trackers[1:]:
-            t.decide(info, "cpu")
+            _decide(t, info)
         for t in ranks.trackers:
-            MaskTracker.receive_flags(t.tracks[info.key], torch.zeros(5, dtype=torch.int64))
+            receive_flags(t.tracks[info.key], torch.zeros(5, dtype=torch.int64))
     assert [bool(f[1:].any()) for f in sent] == [False, False, True]
     assert sent[2][2] == int(_support(ranks.models[0], BUCKET).sum())  # the digest's count of kept entries
     assert torch.equal(sent[2][1:3], -sent[2][3:5])
@@ -163,10 +185,10 @@ def test_without_a_model_every_entry_is_kept_and_the_bucket_goes_dense():
     info = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [3, 4])
     modes = []
     for _ in range(3):
-        track, changed = tracker.decide(info, "cpu")
+        track, changed = _decide(tracker, info)
         modes.append(track.mode)
         if track.mode == TRACKING:
-            MaskTracker.receive_flags(track, MaskTracker.flags(track, changed, "cpu"))
+            receive_flags(track, tracking_flags(track, changed, "cpu"))
     assert modes == [TRACKING, TRACKING, DENSE] and stats["freezes"] == 1
 
 
@@ -195,7 +217,7 @@ def test_an_edit_on_one_rank_unfreezes_at_the_next_step():
     with pytest.warns(RuntimeWarning, match="changed on some rank"):
         assert ranks.step(info) == TRACKING
     assert ranks.stat("unfreezes") == 1
-    assert all(t.support is None and t.state == LayoutState() for t in ranks.tracks)
+    assert all(t.support is None and t.carry == Carry() for t in ranks.tracks)
     with pytest.warns(RuntimeWarning, match="different masks"):
         assert ranks.steps(info, 6) == [TRACKING] * 6  # rank 1's support differs from now on
     assert ranks.stat("freezes") == 1
@@ -343,14 +365,14 @@ def test_check_every_zero_turns_the_check_off():
 def test_masks_as_installed_travel_packed_from_the_second_step(world):
     ranks = Ranks(world, stable_steps=5, as_installed=True)
     info = _info(ranks.models[0], BUCKET)
-    first, changed = ranks.trackers[0].decide(info, "cpu")
-    flags = MaskTracker.flags(first, changed, "cpu")
+    first, changed = _decide(ranks.trackers[0], info)
+    flags = tracking_flags(first, changed, "cpu")
     assert flags[2] == int(_support(ranks.models[0], BUCKET).sum())  # the candidate goes with the first step
     for t in ranks.trackers[1:]:
-        t.decide(info, "cpu")
-    everyone = torch.stack([MaskTracker.flags(t.tracks[info.key], False, "cpu") for t in ranks.trackers]).amax(0)
+        _decide(t, info)
+    everyone = torch.stack([tracking_flags(t.tracks[info.key], False, "cpu") for t in ranks.trackers]).amax(0)
     for t in ranks.trackers:
-        MaskTracker.receive_flags(t.tracks[info.key], everyone.clone())
+        receive_flags(t.tracks[info.key], everyone.clone())
     assert ranks.steps(info, 3) == [PACKED] * 3  # not after stable_steps (5): no mask changed since install
     assert ranks.stat("freezes") == 1 and ranks.stat("mask_mismatches") == 0
 
@@ -369,3 +391,210 @@ def test_one_rank_whose_masks_changed_since_install_holds_every_rank_back_withou
 def test_an_unpruned_bucket_waits_as_before_even_as_installed():
     ranks = Ranks(2, stable_steps=2, as_installed=True)
     assert ranks.steps(_info(ranks.models[0], ["1.bias", "0.bias"]), 5) == [TRACKING] * 3 + [DENSE] * 2
+
+
+# --- what a track carries, its checkpoint entries, supports built by the caller ----------------------------------
+
+def _fill(track, kept: int) -> None:
+    """Everything the ternary path carries on a frozen support, as after some steps."""
+    track.carry = Carry(residual=torch.ones(kept), exponents=torch.tensor([3, -2, 0, 1]),  # one per parameter
+                        scale=torch.tensor([1.5, 0.5, 1.0, 1.0]), resync=HostFlags(torch.tensor([False])))
+
+
+def test_the_carry_goes_with_the_support_when_a_track_unfreezes():
+    """The step that sees an edit is still packed and keeps the carry; the next one unfreezes every rank's track,
+    and with the support go the residual, the carried scale and a pending resync, which the checkpoint shows."""
+    ranks = Ranks(2, stable_steps=1)
+    info = _info(ranks.models[0], BUCKET)
+    assert ranks.steps(info, 3)[-1] == PACKED
+    held = []
+    for track in ranks.tracks:
+        _fill(track, track.support.kept)
+        held.append(track.carry)
+    assert set(ranks.trackers[0].state_dict()[info.key]) == {"mode", "stable", "pending", "digest", "residual",
+                                                             "exponents", "names"}
+    _edit_in_place(ranks.models[1])
+    assert ranks.step(info) == PACKED and all(t.carry is c for t, c in zip(ranks.tracks, held))
+    with pytest.warns(RuntimeWarning, match="changed on some rank"):
+        assert ranks.step(info) == TRACKING
+    assert all(t.support is None and t.carry == Carry() for t in ranks.tracks)
+    assert set(ranks.trackers[0].state_dict()[info.key]) == {"mode", "stable", "pending", "names"}
+
+
+def test_checkpoint_entries_hold_the_carry_and_give_it_back():
+    """``state_dict`` writes the carry's residual and exponents (the exponents left out while a resync is
+    pending); a tracker loading the entry takes them up, the scale to be derived again and no resync pending."""
+    ranks = Ranks(1, stable_steps=1)
+    info = _info(ranks.models[0], BUCKET)
+    ranks.steps(info, 3)
+    track = ranks.tracks[0]
+    _fill(track, track.support.kept)
+    entry = ranks.trackers[0].state_dict()[info.key]
+    assert list(entry) == ["mode", "stable", "names", "pending", "digest", "residual", "exponents"]
+    assert entry["residual"] is track.carry.residual and torch.equal(entry["exponents"], torch.tensor([3, -2, 0, 1]))
+    track.carry.resync = HostFlags(torch.tensor([True]))
+    assert "exponents" not in ranks.trackers[0].state_dict()[info.key]
+
+    resumed = Ranks(1, stable_steps=1)
+    resumed.trackers[0].load_state_dict({info.key: entry})
+    restored, _ = _decide(resumed.trackers[0], info)
+    assert restored.mode == PACKED and torch.equal(restored.support.digest, track.support.digest)
+    carry = restored.carry
+    assert torch.equal(carry.residual, entry["residual"]) and torch.equal(carry.exponents, entry["exponents"])
+    assert carry.scale is None and carry.resync is None
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"mode": "frozen", "stable": 0}, "'mode' must be one of"),
+    ({"mode": "packed", "stable": 0}, "needs the 'digest'"),
+    ({"mode": "tracking", "stable": -1}, "'stable' must be at least 0"),
+    ({"mode": "packed", "stable": 0, "digest": torch.tensor([1, 3]), "residual": torch.ones(4)}, "keeps 3"),
+    ({"mode": "packed", "stable": 0, "digest": torch.tensor([1, 3]), "residual": torch.tensor([1.0, float("nan"), 0])},
+     "non-finite"),
+    ({"mode": "tracking", "stable": 0, "names": ["x"]}, "not those of layout"),
+])
+def test_bad_checkpoint_entries_fail_at_load(entry, message):
+    info = BucketInfo.from_layout(0, torch.float32, ["a", "b"], [3, 4])
+    with pytest.raises(ValueError, match=message):
+        MaskTracker().load_state_dict({info.key: entry})
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["candidate", "agreed-at-install"])
+def test_decide_builds_the_layouts_supports_with_the_builder_it_is_given(installed):
+    """Every support of the layout comes from ``build``: the candidate (or the agreed masks' copy at install),
+    the frozen one, and the one a checkpoint is compared with on restore."""
+    ranks = Ranks(2, stable_steps=1, as_installed=installed)
+    info = _info(ranks.models[0], BUCKET)
+    if installed:  # every rank's digest of its masks agreed at install: it freezes at its first step
+        flags = torch.stack([t.install_flags() for t in ranks.trackers]).amax(0)
+        for t in ranks.trackers:
+            t.receive_install_flags(flags)
+    calls = [[] for _ in ranks.trackers]
+    for _ in range(3):
+        decided = [t.decide(info, _builder(t, info, c)) for t, c in zip(ranks.trackers, calls)]
+        if decided[0][0].mode == TRACKING:
+            flags = torch.stack([tracking_flags(track, changed, "cpu") for track, changed in decided]).amax(0)
+            for track, _ in decided:
+                receive_flags(track, flags.clone())
+        else:
+            for track, _ in decided:
+                receive_changed(track, torch.zeros(1))
+    track = decided[0][0]
+    assert track.mode == PACKED and track.support is not None and len(calls[0]) == 1
+    assert len(calls[0][0]) == len(info.names) and any(m is not None for m in calls[0][0])
+    if installed:  # the bool copies of the masks agreed at install
+        assert all(m is None or m.dtype == torch.bool for m in calls[0][0])
+
+    saved = ranks.trackers[0].state_dict()
+    resumed = Ranks(1, stable_steps=1)
+    resumed.trackers[0].load_state_dict(saved)
+    calls_resumed: list = []
+    restored, _ = resumed.trackers[0].decide(info, _builder(resumed.trackers[0], info, calls_resumed))
+    assert len(calls_resumed) == 1 and restored.mode == PACKED
+    # a builder that makes another support: the checkpointed digest no longer matches, the track starts over
+    other = Ranks(1, stable_steps=1)
+    other.trackers[0].load_state_dict(saved)
+    whole = lambda masks: bucket_support([(torch.Size([info.numel]), (1,), None)], info.numel, "cpu")  # noqa: E731
+    assert other.trackers[0].decide(info, whole)[0].mode == TRACKING
+
+
+# --- the host reads: one per step, nothing waited for on a packed step -------------------------------------------
+
+def test_the_mask_check_waits_for_nothing():
+    ranks = Ranks(1, stable_steps=1, check_every=1)
+    info = _info(ranks.models[0], BUCKET)
+    ranks.steps(info, 3)
+    tracker = ranks.trackers[0]
+    with counting() as counter:
+        unchanged = tracker._edited_in_place(info, ranks.tracks[0])
+        ranks.models[0][0].weight_mask.data.view(-1)[0] = 1 - ranks.models[0][0].weight_mask.data.view(-1)[0]
+        edited = tracker._edited_in_place(info, ranks.tracks[0])
+    assert not counter.syncs and isinstance(edited, torch.Tensor)
+    assert not bool(unchanged) and bool(edited)
+
+
+def test_the_resync_flag_rides_in_the_trackers_copy_and_is_read_once():
+    """A one-round step's resync flag, left in the carry as a tensor, goes to the host in the tracker's copy of
+    its flags; both readers then share one ``tolist``."""
+    track = BucketTrack()
+    track.carry.resync = torch.tensor([1]) > 0
+    receive_changed(track, torch.tensor([0.0]))
+    assert isinstance(track.carry.resync, Slot) and track.pending.host.tolist() == [False, True, True]
+    with counting() as counter:
+        assert track.pending.values()[:2] == [False, True]
+        assert flag_set(track.carry.resync)
+    assert counter.syncs == {"tolist": 1}
+    receive_changed(track, torch.tensor([2.0]))  # no resync pending: the two flags of before
+    assert track.pending.host.tolist() == [True, True]
+
+
+# --- DDP's re-sending of the masks at every forward (an in-place copy on torch up to 2.12) is no edit ------------
+
+class BroadcastingWrapper(nn.Module):
+    """What DDP on torch up to 2.12 does at each forward with ``broadcast_buffers=True``: copies rank 0's
+    buffers into the module's in place (bumping their ``_version``), then runs the module."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        with torch.no_grad():
+            for buffer in self.module.buffers():
+                buffer.copy_(buffer.clone())
+        return self.module(x)
+
+
+def _pruned() -> nn.Module:
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2))
+    prune.random_unstructured(model[0], "weight", 0.5)
+    return model
+
+
+def test_a_broadcast_leaves_the_signature_and_an_edit_changes_it():
+    model = _pruned()
+    wrapper = BroadcastingWrapper(model)
+    tracker = MaskTracker()
+    tracker.watch(wrapper)
+    tracker.bind(model, {})
+    params = dict(model.named_parameters())
+    info = BucketInfo.from_layout(0, torch.float32, params, [p.numel() for p in params.values()])
+    before = tracker._signature(info)
+    for _ in range(3):
+        wrapper(torch.randn(2, 6))
+    assert model[0].weight_mask._version > 1  # the copies did bump it
+    assert tracker._signature(info) == before
+    model[0].weight_mask.mul_(1)  # an edit in place, outside the broadcast
+    assert tracker._signature(info) != before
+
+
+def test_sync_bumps_count_only_what_the_wrapped_forward_added_and_stop_on_close():
+    model = _pruned()
+    wrapper = BroadcastingWrapper(model)
+    bumps = SyncBumps()
+    bumps.watch(wrapper)
+    mask = model[0].weight_mask
+    wrapper(torch.randn(1, 6))
+    wrapper(torch.randn(1, 6))
+    assert bumps.discount(mask) == 2
+    model(torch.randn(1, 6))  # the module alone (no broadcast before it) adds nothing
+    assert bumps.discount(mask) == 2
+    bumps.close()
+    wrapper(torch.randn(1, 6))
+    assert bumps.discount(mask) == 2
+
+
+def test_a_copy_of_sync_bumps_watches_nothing():
+    bumps = SyncBumps()
+    bumps.watch(BroadcastingWrapper(_pruned()))
+    for twin in (copy.deepcopy(bumps), pickle.loads(pickle.dumps(bumps))):
+        assert twin.bumps == {} and twin._handles == []
+
+
+def test_a_model_that_does_not_resend_its_buffers_gets_no_hooks():
+    model = _pruned()
+    wrapper = BroadcastingWrapper(model)
+    wrapper.broadcast_buffers = False  # as DDP built with no_buffer_sync() reads
+    bumps = SyncBumps()
+    bumps.watch(wrapper)
+    assert bumps._handles == [] and not wrapper._forward_pre_hooks and not model._forward_pre_hooks
