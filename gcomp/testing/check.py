@@ -1,12 +1,12 @@
-"""``check_method``: run the eight contracts of docs/design.md against one method, a registered name or a
-module-level factory, on gloo ranks of this machine, and report every (contract, configuration) checked."""
+"""``check_method``: run the contracts (``report.CONTRACTS``) against one method, a registered name or a module-level
+factory, on gloo ranks of this machine, and report every (contract, configuration) checked."""
 from __future__ import annotations
 
 import traceback
 from typing import Any, Callable, Iterable
 
 import gcomp
-from gcomp.testing import codec_checks, config_checks, process_checks
+from gcomp.testing import codec_checks, config_checks, fsdp_jobs, process_checks
 from gcomp.testing.buckets import DTYPES, LAYOUTS, dtype_name
 from gcomp.testing.ranks import MAX_RANKS, run_ranks
 from gcomp.testing.reduce_jobs import NONFINITE, PATHS, job_reduce
@@ -102,12 +102,9 @@ def _replicas(run: _Run) -> None:
 
 
 def _homomorphism(run: _Run, examples: int, seed: int) -> None:
-    if run.method.collective != gcomp.ALLREDUCE:
-        return run.skip(3, f"homomorphism applies to methods whose collective is {gcomp.ALLREDUCE!r}; this one's "
-                           f"is {run.method.collective!r}")
-    if not isinstance(run.method, gcomp.Method):
-        return run.skip(3, f"{type(run.method).__name__} is not a gcomp.Method (a composite method): it has no "
-                           "codec of its own to run alone")
+    if run.method.collective != gcomp.ALLREDUCE or not isinstance(run.method, gcomp.Method):
+        return run.skip(3, f"applies to a gcomp.Method whose collective is {gcomp.ALLREDUCE!r}; this one is a "
+                           f"{type(run.method).__name__} whose collective is {run.method.collective!r}")
     for example in codec_checks.homomorphism_examples(examples, seed):
         run.check(3, codec_checks.example_label(**example),
                   lambda ex=example: codec_checks.check_homomorphism(run.source.create, **ex))
@@ -129,11 +126,9 @@ def _lossless(run: _Run) -> None:
 def _conservation(run: _Run) -> None:
     if not run.method.error_feedback:
         return run.skip(5, "applies to methods with error feedback; this one's error_feedback is False")
-    if not isinstance(run.method, gcomp.Method):
-        return run.skip(5, f"{type(run.method).__name__} is not a gcomp.Method (a composite method): it has no "
-                           "memory of its own to run alone")
     for dtype in DTYPES:
-        run.check(5, dtype_name(dtype), lambda d=dtype: codec_checks.check_conservation(run.source.create(), d))
+        run.check(5, dtype_name(dtype), lambda d=dtype: process_checks.check_conservation(
+            run.reduce(run.worlds[0]), d, run.method))
 
 
 def _nonfinite(run: _Run) -> None:
@@ -145,10 +140,7 @@ def _nonfinite(run: _Run) -> None:
 
 
 def _state_dict(run: _Run) -> None:
-    try:
-        dependence = codec_checks.layout_dependence(run.source.create, run.source.label)
-    except Exception as err:  # noqa: BLE001 -- the codec fails: the layout-kept cases will say how
-        dependence = f"whether {run.source.label} depends on the bucket layout is unknown ({type(err).__name__}: {err})"
+    dependence = codec_checks.layout_dependence(run.source.create, run.source.label)
     for flavour in RESUMES:
         def check(f=flavour):
             process_checks.resume_skip(f, dependence)
@@ -175,26 +167,44 @@ def _configuration(run: _Run) -> None:
     run.check(8, "describe", config_checks.check_describe, name)
 
 
+def _fidelity(run: _Run) -> None:
+    for world in run.worlds:
+        for layout in LAYOUTS:
+            run.check(9, f"ws{world} {layout}", lambda w=world, lay=layout: (
+                process_checks.check_fidelity(run.reduce(w), lay, run.method)))
+        run.check(9, f"ws{world} draws", lambda w=world: process_checks.check_unbiased(run.reduce(w), run.method))
+
+
+def _bytes(run: _Run) -> None:
+    for world in run.worlds:
+        run.check(10, f"ws{world}", lambda w=world: process_checks.check_bytes(run.reduce(w), run.method, w))
+
+
+def _fsdp(run: _Run) -> None:
+    if not run.method.serves_fsdp:
+        return run.skip(11, "the method does not serve FSDP2 (traits.rows is None, or its communicator's rows is "
+                            "False)")
+    for world in run.worlds:
+        for what in fsdp_jobs.CHECKS:
+            run.check(11, f"ws{world} {what}", lambda w=world, c=what: fsdp_jobs.check_fsdp(
+                run.job(("fsdp", w), w, fsdp_jobs.job_fsdp, [run.source]), run.source.label, c))
+
+
 def check_method(name_or_factory: str | Callable[[], Any], world_sizes: Iterable[int] = (1, 2, 3), *,
                  contracts: Iterable[int | str] | None = None, examples: int = 20, seed: int = 0,
                  raise_on_failure: bool = True, timeout: float = 300) -> Report:
-    """Check one method against the eight contracts (docs/design.md) and return the ``Report``.
+    """Check one method against the contracts (``gcomp.testing.CONTRACTS``) and return the ``Report``.
 
     ``name_or_factory``: a registered method name (built in, registered with ``gcomp.register``, or from a
     ``gcomp.methods`` entry point), or a module-level callable taking no arguments that returns the configured
-    method. The rank jobs run in worker processes (gloo on 127.0.0.1, ``world_sizes`` ranks each, 1 to 8; the
-    state_dict contract on 2), which import the factory by its module and name: a lambda, a nested function or
-    a bound method is refused with a TypeError; define the factory with ``def`` at the top level of a module.
-    An unknown name raises ``gcomp.UnknownMethodError`` at once.
+    method (a lambda, a nested function or a bound method is refused with a TypeError: the worker processes import
+    it by module and name). The rank jobs run gloo on 127.0.0.1, ``world_sizes`` ranks each (1 to 8; the state_dict
+    contract on 2). An unknown name raises ``gcomp.UnknownMethodError`` at once.
 
-    ``contracts``: numbers or keys (``"lossless"``, see ``CONTRACTS``) to check, all by default. ``examples``:
-    how many seeded examples (``seed``) the homomorphism contract draws. ``timeout``: seconds a rank job may
-    take. Contracts that do not apply are skipped with the reason (homomorphism: all-reduce methods; lossless:
-    ``method.lossless``; conservation: ``method.error_feedback``; bad configuration: registered names; the
-    codec-level checks: ``gcomp.Method`` instances).
-
-    Raises ``ContractError`` (an AssertionError) listing every failure, unless ``raise_on_failure=False``.
-    """
+    ``contracts``: numbers or keys to check, all by default. ``examples``: how many seeded examples (``seed``) the
+    homomorphism contract draws. ``timeout``: seconds a rank job may take. Contracts that do not apply are skipped
+    with the reason. Raises ``ContractError`` (an AssertionError) listing every failure, unless
+    ``raise_on_failure=False``."""
     source = MethodSource.of(name_or_factory)
     chosen, worlds = _contracts(contracts), _worlds(world_sizes)
     if not isinstance(examples, int) or examples < 0:
@@ -206,7 +216,8 @@ def check_method(name_or_factory: str | Callable[[], Any], world_sizes: Iterable
                         f"traits {', '.join(lacking)}: return a configured gcomp.Method")
     run = _Run(source, method, worlds, timeout)
     steps = {1: _reduce, 2: _replicas, 3: lambda r: _homomorphism(r, examples, seed), 4: _lossless,
-             5: _conservation, 6: _nonfinite, 7: _state_dict, 8: _configuration}
+             5: _conservation, 6: _nonfinite, 7: _state_dict, 8: _configuration, 9: _fidelity, 10: _bytes,
+             11: _fsdp}
     for number in chosen:
         steps[number](run)
     if raise_on_failure and run.report.failures:

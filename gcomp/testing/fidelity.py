@@ -1,0 +1,90 @@
+"""The error models of ``gcomp.core.Fidelity``, checked on a method's own results, and the rounding allowed
+beside them. Every check takes float64 tensors and returns None, or a message naming the kind and the first entry
+that breaks it. ``world`` is the number of ranks summed; every sum over ranks is of the inputs the method saw
+(each bucket divided by the world size, plus what error feedback held back)."""
+from __future__ import annotations
+
+import torch
+
+DRAWS = 300  # draws of an unbiased method's result; its tolerance is 6 standard deviations of their mean
+SIGMAS = 6
+
+
+def precision(dtypes) -> tuple[float, float]:
+    """``(eps, tiny)`` of the coarsest floating dtype of 16 bits or more among ``dtypes``: the relative rounding
+    of one operation and the spacing of its subnormals (8-bit formats are scaled: their rounding is the bound's)."""
+    infos = [torch.finfo(d) for d in set(dtypes) if d.is_floating_point and d.itemsize >= 2]
+    return max(i.eps for i in infos), max(i.smallest_normal * i.eps for i in infos)
+
+
+def sum_bound(terms: int, magnitude: torch.Tensor, eps: float, tiny: float) -> torch.Tensor:
+    """The rounding of a ``terms``-term sum in any order and a cast of it; ``magnitude``: the terms' |.| summed."""
+    return (terms + 1) * (eps * magnitude + tiny)
+
+
+def mismatch(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str) -> str | None:
+    """None when ``|actual - expected| <= bound`` everywhere, else a message about the first entry further off."""
+    bad = ~((actual.double() - expected).abs() <= bound)
+    if not bad.any():
+        return None
+    i = int(bad.nonzero()[0])
+    return (f"{what}: {int(bad.sum())} of {bad.numel()} entries off; first at {i}: got {actual[i].item()!r}, "
+            f"expected {expected[i].item()!r} within {bound[i].item():.3g}")
+
+
+def block_max(magnitude: torch.Tensor, block: int) -> torch.Tensor:
+    """Per entry, the largest ``magnitude`` of any ``block`` consecutive entries holding it (0: the whole)."""
+    if block == 1:
+        return magnitude
+    if block <= 0 or block >= magnitude.numel():
+        return magnitude.max().expand_as(magnitude)
+    return torch.nn.functional.max_pool1d(magnitude.view(1, 1, -1), 2 * block - 1, 1, block - 1).view(-1)
+
+
+def check_sum(fidelity, result: torch.Tensor, inputs: torch.Tensor, dtypes, what: str) -> str | None:
+    """``exact``: the result is the sum of ``inputs`` (``(world, n)``) up to the rounding of a sum in ``dtypes``
+    (the bucket's and the payload's); ``relative``: within ``bound (world + 1)`` times the largest sum over ranks of
+    |input| in its block, plus that rounding (each rank's rounding, and one more for a re-encoded sum)."""
+    world, magnitude = inputs.shape[0], inputs.abs().sum(0)
+    eps, tiny = precision(dtypes)
+    bound = sum_bound(world, magnitude, eps, tiny)
+    if fidelity.kind == "relative":
+        bound = bound + fidelity.bound * (world + 1) * block_max(magnitude, fidelity.block)
+    return mismatch(result, inputs.sum(0), bound, f"fidelity {fidelity.kind}: {what}")
+
+
+def check_alone(fidelity, x: torch.Tensor, c: torch.Tensor, what: str) -> str | None:
+    """One rank's input ``x`` and the method's result on it alone, ``c``. ``largest``: every nonzero entry of ``c``
+    is the input's (within ``bound`` of it), and no entry left out is larger in magnitude than one sent;
+    ``contraction``: ``|x - c|^2 <= (1 - bound) |x|^2`` (up to the rounding of ``c``)."""
+    where = f"fidelity {fidelity.kind}: {what}"
+    if fidelity.kind == "largest":
+        sent = c != 0
+        off = mismatch(c[sent], x[sent], fidelity.bound * x[sent].abs(), f"{where}: a sent entry")
+        if off is not None:
+            return off
+        if sent.any() and not sent.all() and x[~sent].abs().max() > x[sent].abs().min():
+            return (f"{where}: an entry of magnitude {x[~sent].abs().max().item():.6g} was left out while one of "
+                    f"{x[sent].abs().min().item():.6g} was sent ({int(sent.sum())} of {x.numel()} sent)")
+        return None
+    eps, tiny = precision([c.dtype])
+    err, norm = (x - c.double()).square().sum().item(), x.square().sum().item()
+    allowed = (1 - fidelity.bound) * norm * (1 + 4 * eps) + x.numel() * tiny ** 2
+    if not err <= allowed:
+        return f"{where}: |x - C(x)|^2 = {err:.6g} > (1 - {fidelity.bound}) |x|^2 = {(1 - fidelity.bound) * norm:.6g}"
+    return None
+
+
+def check_draws(total: torch.Tensor, squares: torch.Tensor, draws: int, exact: torch.Tensor,
+                magnitude: torch.Tensor, dtypes, what: str) -> str | None:
+    """``unbiased``: the mean of ``draws`` results (``total`` their sum, ``squares`` of their squares) is ``exact``
+    within ``SIGMAS`` standard deviations of a mean, the variance the largest of any entry's (an entry that drew
+    one value every time is judged by its neighbours'), plus rounding; and the bound must not hide every entry."""
+    mean = total / draws
+    spread = (squares / draws - mean.square()).clamp_min(0).max()
+    eps, tiny = precision(dtypes)
+    bound = SIGMAS * (spread / draws).sqrt() + sum_bound(2, magnitude, eps, tiny)
+    off = mismatch(mean, exact, bound, f"fidelity unbiased: {what}: the mean of {draws} draws")
+    if off is None and not (exact.abs() > bound).any():
+        return f"fidelity unbiased: {what}: {draws} draws bound no entry ({bound.max().item():.3g}): not checked"
+    return off
