@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gcomp
-from gcomp.testing import Skip, codec_checks, config_checks, process_checks
+from gcomp.testing import Skip, config_checks, process_checks
 from gcomp.testing.buckets import DTYPES, LAYOUTS, dtype_name
 from gcomp.testing.ranks import run_ranks_once
 from gcomp.testing.reduce_jobs import NONFINITE, PATHS, job_reduce
@@ -135,7 +135,7 @@ def test_lossless_training_equals_plain_ddp(name, world, several, static):
 
 @functools.lru_cache(maxsize=None)
 def _layout_dependence(name: str) -> str | None:
-    return codec_checks.layout_dependence(functools.partial(gcomp.create, name), name)
+    return process_checks.layout_dependence(functools.partial(gcomp.create, name), name)
 
 
 @pytest.mark.parametrize("name, flavour", _params(METHODS, [(f, f) for f in RESUMES]))
@@ -151,12 +151,12 @@ def test_state_dict_resume_is_bit_identical(name, flavour):
 
 @pytest.mark.parametrize("name", ALLREDUCE_METHODS)
 @settings(max_examples=50, deadline=None)
-@given(world=st.integers(*codec_checks.WORLDS), numel=st.integers(*codec_checks.NUMELS),
-       seed=st.integers(*codec_checks.SEEDS), log_scale=st.floats(*codec_checks.LOG_SCALES),
-       zeros=st.sampled_from(codec_checks.ZEROS), dtype=st.sampled_from(DTYPES))
+@given(world=st.integers(*process_checks.WORLDS), numel=st.integers(*process_checks.NUMELS),
+       seed=st.integers(*process_checks.SEEDS), log_scale=st.floats(*process_checks.LOG_SCALES),
+       zeros=st.sampled_from(process_checks.ZEROS), dtype=st.sampled_from(DTYPES))
 def test_allreduce_homomorphism(name, world, numel, seed, log_scale, zeros, dtype):
     """decompress(elementwise sum of the payloads, in their dtype) == sum of decompress(payload)."""
-    _check(codec_checks.check_homomorphism, functools.partial(gcomp.create, name), world, numel, seed, log_scale,
+    _check(process_checks.check_homomorphism, functools.partial(gcomp.create, name), world, numel, seed, log_scale,
            zeros, dtype)
 
 

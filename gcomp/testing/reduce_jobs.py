@@ -1,10 +1,11 @@
-"""The rank job of contracts 1, 4, 5, 6, 9 and 10: fake buckets fed to ``HookState.reduce`` on every rank, the
-method on this rank alone (a one-rank group: what it does to one rank's input), draws of an unbiased method, and
-one-parameter buckets' bytes. One call covers every configuration of one method; ``process_checks`` reads it."""
+"""The rank jobs that reduce, read by ``process_checks``: ``job_reduce`` (contracts 1, 4, 5, 6, 9 and 10: fake buckets
+fed to ``HookState.reduce``, the method on this rank alone, draws of an unbiased method, one-parameter buckets'
+bytes) and ``job_fsdp`` (contract 11: FSDP2's reduce-scatter called as FSDP calls it, ``state.comms[0]``)."""
 from __future__ import annotations
 
 import collections
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -22,17 +23,16 @@ REDUCE_STEPS = 3  # fake-bucket steps per configuration (enough for error feedba
 CONSERVATION_STEPS = 6  # the last three on DDP's rebuilt layout: what is held back follows the parameters
 BYTES_PARAMS = ("0.weight", "4.bias")  # one-parameter buckets of 640 and 10 entries
 ALONE = ("largest", "contraction")
+FSDP_CHECKS = ("fidelity", "conservation", "nonfinite", "avg")
+FSDP_STEPS = 3  # calls of one input: error feedback carries residuals on
 _single: list = []
 
 
 def _seed(*parts: int) -> int:
-    value = 0
-    for p in parts:
-        value = value * 1009 + p
-    return value
+    return functools.reduce(lambda value, part: value * 1009 + part, parts, 0)
 
 
-def _gather(t: torch.Tensor) -> torch.Tensor:
+def gather(t: torch.Tensor) -> torch.Tensor:
     """Every rank's ``t``, stacked in rank order, as float64."""
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t.contiguous())
@@ -61,13 +61,9 @@ def decode_alone(method: gcomp.Method, payload: gcomp.Payload) -> torch.Tensor:
     return codec.decode(method._own(payload.tensors), payload.ctx)
 
 
-def _reduce_bucket(state: gcomp.HookState, bucket: FakeBucket, warming_up: bool, fresh) -> dict:
-    """Feed one bucket to the hook; returns the pending result and this rank's part of the expectations.
-
-    On the compressing path, a copy of the method (the hook's is left alone) takes the bucket as the hook does:
-    its input with error feedback (``v``), its payload decoded alone (``decoded``; their sum over ranks is the
-    mean of what the ranks sent, for methods that ``decodes_alone``). ``alone``: a fresh method on this rank alone
-    (``fresh``), held to the error models that speak of one rank's input."""
+def _launch(state: gcomp.HookState, bucket: FakeBucket, warming_up: bool, fresh) -> dict:
+    """One bucket to the hook; on the compressing path a copy of the method takes it as the hook does: its input
+    with error feedback (``v``), its payload decoded alone (``decoded``); and a ``fresh`` method on this rank alone."""
     world, method = dist.get_world_size(), state.method
     raw = bucket.buffer().clone()
     out = {"raw": raw, "decoded": raw.clone().mul_(1.0 / world) if warming_up else None, "v": None,
@@ -81,27 +77,21 @@ def _reduce_bucket(state: gcomp.HookState, bucket: FakeBucket, warming_up: bool,
         if method.decodes_alone:
             out["decoded"] = decode_alone(twin, payload)
         if kind.kind in ALONE:
-            single = copy.deepcopy(fresh[0])
-            c = single.reduce(s.clone(), info, alone_group(), fresh[1]).wait()
-            out["alone"] = fidelity.check_alone(kind, s.double(), c.double(), "its bucket reduced on this rank alone")
+            c = copy.deepcopy(fresh[0]).reduce(s.clone(), info, alone_group(), fresh[1]).wait()
+            out["alone"] = fidelity.check_alone(kind, s.double(), c, "its bucket reduced on this rank alone")
     out["fut"] = state.reduce(bucket)
     return out
 
 
 def _check(pending: dict, where: str, method) -> dict:
-    """Wait for one bucket and check it (collective: every rank calls it in the same order). Every rank reports
-    its result's shape, dtype and device next to the bucket's, and its ``alone`` message; rank 0 which ranks' results
-    differ from its own and, as messages (None when fine), how far the result is from the mean of the payloads
-    decoded alone (``mean``: ``"not checked"`` without a codec), from the dense mean (``dense``) and from the error
-    model (``fidelity``)."""
+    """Wait for one bucket and report (every rank, in the same order) its result's shape, dtype, device, and on rank 0
+    the ranks whose result differs and messages (None when fine): ``mean`` of the payloads, ``dense``, ``fidelity``."""
     result = pending["fut"].wait()
     raw, world = pending["raw"], dist.get_world_size()
     report = {"shape": tuple(result.shape), "dtype": result.dtype, "device": str(result.device),
               "bucket": (tuple(raw.shape), raw.dtype, str(raw.device)), "fidelity": pending["alone"]}
-    results = _gather(result.to(raw.dtype).reshape(raw.shape))
-    decoded = _gather(pending["decoded"]) if pending["decoded"] is not None else None
-    v = _gather(pending["v"]) if pending["v"] is not None else None
-    raws = _gather(raw)
+    results, raws = gather(result.to(raw.dtype).reshape(raw.shape)), gather(raw)
+    decoded, v = [None if pending[k] is None else gather(pending[k]) for k in ("decoded", "v")]
     if dist.get_rank() == 0:
         eps, tiny = fidelity.precision(pending["dtypes"])
         report["differ"] = [r for r in range(world) if not torch.equal(results[r], results[0])]
@@ -111,9 +101,9 @@ def _check(pending: dict, where: str, method) -> dict:
         report["dense"] = fidelity.mismatch(result, raws.sum(0) / world,
                                             fidelity.sum_bound(world + 1, raws.abs().sum(0) / world, eps, tiny),
                                             f"{where}: dense mean")
-        kind = method.traits.fidelity if isinstance(method, gcomp.Method) else None
-        if v is not None and kind.kind in ("exact", "relative"):
-            report["fidelity"] = fidelity.check_sum(kind, result.reshape(-1), v, pending["dtypes"], "the mean")
+        if v is not None and method.traits.fidelity.kind in ("exact", "relative"):
+            report["fidelity"] = fidelity.check_sum(method.traits.fidelity, result.reshape(-1), v,
+                                                    pending["dtypes"], "the mean")
     return report
 
 
@@ -123,30 +113,26 @@ def _state(source: MethodSource, ddp_model, path: str) -> gcomp.HookState:
     return state
 
 
-def _draws(method, names: list[str], numels: list[int], seed: int) -> str | None:
-    """Contract 9 for an unbiased method: the mean of ``fidelity.DRAWS`` reductions of one fp32 bucket, each a
-    fresh step (what error feedback held is flushed first), against the exact mean."""
-    world = dist.get_world_size()
-    info = gcomp.BucketInfo.from_layout(0, torch.float32, names, numels)
-    x = torch.randn(info.numel, generator=torch.Generator().manual_seed(_seed(seed, dist.get_rank()))) / world
-    inputs, stats = _gather(x), collections.defaultdict(float)
-    total, squares = torch.zeros(info.numel, dtype=torch.float64), torch.zeros(info.numel, dtype=torch.float64)
+def _draws(method, seed: int) -> str | None:
+    """Contract 9, unbiased: ``fidelity.DRAWS`` reductions of one fp32 bucket, what was held flushed before each."""
+    info = gcomp.BucketInfo.from_layout(0, torch.float32, ["4.weight", "4.bias"], [320, 10])
+    g = torch.Generator().manual_seed(_seed(seed, dist.get_rank()))
+    x = torch.randn(info.numel, generator=g) / dist.get_world_size()
+    draws = []
     for _ in range(fidelity.DRAWS):
         if method.error_feedback:
             method.flush(info, x)
-        r = method.reduce(x.clone(), info, None, stats).wait().double()
-        total, squares = total + r, squares + r * r
-    return fidelity.check_draws(total, squares, fidelity.DRAWS, inputs.sum(0), inputs.abs().sum(0),
-                                [torch.float32], f"ws{world}")
+        draws.append(method.reduce(x.clone(), info, None, collections.defaultdict(float)).wait().double())
+    return fidelity.check_draws(torch.stack(draws), gather(x), [torch.float32], f"ws{dist.get_world_size()}",
+                                method.traits.fidelity.bound)
 
 
 def _conservation(source: MethodSource, model, dtype: torch.dtype) -> str | None:
-    """Contract 5 on this rank alone: the result plus what is held back after a step (``Method.flush`` of a
-    copy) is the gradient plus what was held before it, step after step, across a re-layout."""
+    """Contract 5 on this rank alone, step after step, across a re-layout (what is held: ``Method.flush`` of a copy)."""
     method, stats = joined(source, model, alone_group())
     sizes = {"4.weight": 320, "0.bias": 32, "4.bias": 10}
-    layouts = [gcomp.BucketInfo.from_layout(0, dtype, list(sizes), list(sizes.values())),
-               gcomp.BucketInfo.from_layout(0, dtype, list(sizes)[::-1], list(sizes.values())[::-1])]
+    layouts = [gcomp.BucketInfo.from_layout(0, dtype, names, [sizes[n] for n in names])
+               for names in (list(sizes), list(sizes)[::-1])]
     g = torch.Generator().manual_seed(1)
 
     def held(info):
@@ -161,17 +147,15 @@ def _conservation(source: MethodSource, model, dtype: torch.dtype) -> str | None
         new = held(info).double()
         off = fidelity.mismatch(sent + new, v.double(), torch.finfo(dtype).eps * new.abs(),
                                 f"step {step}: sent + now held vs gradient + held before")
-        if off is not None:
-            return off
-        if step == 2 and not new.abs().sum() > 0:
-            return "a lossy error-feedback method held nothing back"
+        if off is not None or (step == 2 and not new.abs().sum() > 0):
+            return off or "a lossy error-feedback method held nothing back"
     return None
 
 
 def job_reduce(method: str | MethodSource, seed: int = 0) -> dict:
-    """Contracts 1, 4, 5, 6, 9 and 10. Returns ``{(path, layout, dtype_name): [[bucket report, ...] per step]}``,
-    ``{("nonfinite", path, kind): whether this rank's result is all finite}``, ``("unbiased",)``,
-    ``("conservation", dtype_name)``: a message or None, and ``("bytes", n)``: the bytes of each of two steps."""
+    """Contracts 1, 4, 5, 6, 9 and 10: ``{(path, layout, dtype_name): [[bucket report, ...] per step]}``,
+    ``{("nonfinite", path, kind): this rank's result all finite}``, ``("unbiased",)`` and ``("conservation",
+    dtype_name)``: a message or None, ``("bytes", n)``: the bytes of each of two steps."""
     source = as_source(method)
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -180,32 +164,27 @@ def job_reduce(method: str | MethodSource, seed: int = 0) -> dict:
         fresh = joined(source, ddp_model.module, alone_group())
         for path in PATHS:
             for layout in LAYOUTS:
-                state = _state(source, ddp_model, path)
-                groups = bucket_groups(ddp_model.module, layout)
-                key = (path, layout, dtype_name(dtype))
-                steps = []
-                for step in range(REDUCE_STEPS):
-                    pending = []  # like DDP: every bucket launched before any is waited for
-                    for index, params in enumerate(groups):
-                        grad = fake_gradient(params, dtype, seed=_seed(seed, step, rank, index))
-                        bucket = FakeBucket(grad, index, index == len(groups) - 1, params)
-                        pending.append(_reduce_bucket(state, bucket, path == "warmup", fresh))
+                state, groups = _state(source, ddp_model, path), bucket_groups(ddp_model.module, layout)
+                key, steps = (path, layout, dtype_name(dtype)), []
+                for step in range(REDUCE_STEPS):  # like DDP: every bucket launched before any is waited for
+                    pending = [_launch(state, FakeBucket(fake_gradient(params, dtype, _seed(seed, step, rank, i)), i,
+                                                         i == len(groups) - 1, params), path == "warmup", fresh)
+                               for i, params in enumerate(groups)]
                     steps.append([_check(p, f"{key} step {step} bucket {i}", state.method)
                                   for i, p in enumerate(pending)])
                 out[key] = steps
-    # Contract 6: one rank (the last) holds a non-finite entry in bucket 0 of the second step.
     ddp_model = models.ddp(models.mlp(seed))
     groups = bucket_groups(ddp_model.module, "several")
-    for path in PATHS:
+    for path in PATHS:  # contract 6: the last rank holds a non-finite entry in bucket 0 of the second step
         for kind, bad in NONFINITE.items():
             state = _state(source, ddp_model, path)
             for step in range(2):
-                futures = []
-                for index, params in enumerate(groups):
-                    grad = fake_gradient(params, torch.float32, seed=_seed(seed + 7, step, rank, index))
-                    if step == 1 and index == 0 and rank == world - 1:
-                        grad[grad.numel() // 3] = bad
-                    futures.append(state.reduce(FakeBucket(grad, index, index == len(groups) - 1, params)))
+                grads = [fake_gradient(params, torch.float32, _seed(seed + 7, step, rank, i))
+                         for i, params in enumerate(groups)]
+                if step == 1 and rank == world - 1:
+                    grads[0][grads[0].numel() // 3] = bad
+                futures = [state.reduce(FakeBucket(grad, i, i == len(groups) - 1, params))
+                           for i, (grad, params) in enumerate(zip(grads, groups))]
                 results = [f.wait() for f in futures]
             out[("nonfinite", path, kind)] = bool(torch.isfinite(results[0]).all())
     state = _state(source, ddp_model, "compress")
@@ -213,17 +192,94 @@ def job_reduce(method: str | MethodSource, seed: int = 0) -> dict:
     if not isinstance(method, gcomp.Method):
         return out
     if method.traits.fidelity.kind == "unbiased":
-        out[("unbiased",)] = _draws(method, ["4.weight", "4.bias"], [320, 10], seed)
+        out[("unbiased",)] = _draws(method, seed)
     if method.error_feedback and set(method.traits.slots) <= set(method.traits.held):
         for dtype in DTYPES:
             out[("conservation", dtype_name(dtype))] = _conservation(source, ddp_model.module, dtype)
-    if method.traits.wire_bytes is not None:
-        for name in BYTES_PARAMS:
-            sent = []
-            for step in range(2):
-                before = state.stats["bytes_sent"]
-                grad = fake_gradient([params[name]], torch.float32, seed=_seed(seed + 3, step, rank))
-                state.reduce(FakeBucket(grad, 0, True, [params[name]])).wait()
-                sent.append(state.stats["bytes_sent"] - before)
-            out[("bytes", params[name].numel())] = sent
+    for name in BYTES_PARAMS if method.traits.wire_bytes is not None else ():
+        out[("bytes", params[name].numel())] = sent = []
+        for step in range(2):
+            before = state.stats["bytes_sent"]
+            grad = fake_gradient([params[name]], torch.float32, _seed(seed + 3, step, rank))
+            state.reduce(FakeBucket(grad, 0, True, [params[name]])).wait()
+            sent.append(state.stats["bytes_sent"] - before)
+    return out
+
+
+def _call(comm, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    out = torch.full((x.numel() // dist.get_world_size(),), float("nan"), dtype=x.dtype)
+    comm(out, x.clone(), dist.group.WORLD, op)
+    return out
+
+
+def _alone(source: MethodSource, method, layout, x: torch.Tensor) -> str | tuple | None:
+    """``largest`` and ``contraction`` on each row this rank sends, reduced on this rank alone."""
+    if method.traits.rows == "native":
+        return ("skip", "a native rows codec has no rows to reduce alone")
+    single, stats = joined(source, None, alone_group())
+    for r, p in enumerate(x.view(layout.world, -1)):
+        c = copy.deepcopy(single).reduce(p.clone(), layout.row(r), alone_group(), stats).wait()
+        off = fidelity.check_alone(method.traits.fidelity, p.double(), c.reshape(-1), f"row {r} alone")
+        if off is not None:
+            return off
+    return None
+
+
+def job_fsdp(sources: list[MethodSource]) -> dict:
+    """Per method (by label): ``checks`` (None, a message, or ``("skip", reason)`` per ``FSDP_CHECKS``), first and
+    last call's shard, each call's bytes, the stats, the pruned mask (a method that reads the model gets a pruned
+    one) and the method's state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for source in sources:
+        model = models.fsdp_mlp(source.create().reads_model)
+        state = source.install(model)
+        comm, method = state.comms[0], state.method
+        numel = world * sum(-(-p.size(0) // world) * p.size()[1:].numel() for p in model[0].parameters())
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).mul_(torch.logspace(-2, 2, numel))
+        layout, mask = comm.layout_for(x, dist.group.WORLD), None
+        if method.reads_model:  # zero where pruned, every rank alike (weight_orig * weight_mask), and FSDP's padding
+            mask = layout.shard_major([getattr(model[0], "weight_mask", None) if n.endswith("weight_orig") else None
+                                       for n in layout.names], 1.0, 0.0, torch.float32, "cpu")
+            x *= mask.reshape(-1)
+        inputs = gather(x)
+        rows, total = inputs.view(world, world, -1)[:, rank], inputs.sum(0)
+        kind = method.traits.fidelity if isinstance(method, gcomp.Method) else None
+        dtypes = [x.dtype] + ([] if kind is None else [t.dtype for t in copy.deepcopy(method)._send(
+            x.clone(), layout, collections.defaultdict(float)).tensors])
+        calls, call_bytes = [], []
+        for _ in range(FSDP_STEPS):
+            before = state.stats["bytes_sent"]
+            calls.append(_call(comm, x))
+            call_bytes.append(state.stats["bytes_sent"] - before)
+        checks = {"fidelity": ("skip", f"{type(method).__name__} declares no error model"),
+                  "conservation": ("skip", "applies to methods with error feedback"),
+                  "avg": ("skip", "AVG is checked for exact and relative error models")}
+        if kind is not None and kind.kind == "unbiased":
+            draws = torch.stack([_call(comm, x).double() for _ in range(fidelity.DRAWS)])
+            checks["fidelity"] = fidelity.check_draws(draws, rows, dtypes, "this rank's shard", kind.bound)
+        elif kind is not None and kind.kind in ALONE:
+            checks["fidelity"] = _alone(source, method, layout, x)
+        elif kind is not None:
+            checks["fidelity"] = fidelity.check_sum(kind, calls[0].double(), rows, dtypes, "this rank's shard")
+        if method.error_feedback:
+            held = copy.deepcopy(method).flush(layout.pieces, x)
+            conserved = gather(torch.stack(calls).sum(0)).reshape(-1) + (0 if held is None else gather(
+                held.reshape(-1)).sum(0))
+            expected = total * FSDP_STEPS
+            checks["conservation"] = fidelity.mismatch(conserved, expected, 1e-3 + 1e-4 * expected.abs(),
+                                                       f"{FSDP_STEPS} calls' shards and what every rank holds back "
+                                                       "after them vs the sum of the inputs")
+        bad = x.clone()
+        if rank == 0:
+            bad.view(world, -1)[world - 1][0] = float("nan")
+        nan = bool(torch.isnan(_call(comm, bad)).any())
+        checks["nonfinite"] = None if nan or rank != world - 1 else f"a NaN in rank 0's row {rank} did not reach it"
+        avg = _call(comm, x, dist.ReduceOp.AVG)
+        if kind is not None and kind.kind in ("exact", "relative"):
+            checks["avg"] = fidelity.check_sum(kind, avg.double(), rows / world, dtypes,
+                                               "AVG: the shard of the sum divided by the shard count")
+        out[source.label] = {"checks": checks, "first": calls[0], "last": calls[-1], "call_bytes": call_bytes,
+                             "stats": dict(state.stats), "mask": mask, "own_mask": None if mask is None else mask[rank],
+                             "sizes": list(layout.sizes), "state": method.state_dict()}
     return out

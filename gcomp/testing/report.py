@@ -1,6 +1,5 @@
-"""What ``check_method`` hands back: the contracts by number and key, one ``Result`` per (contract,
-configuration), the ``Report`` holding them, ``ContractError`` listing every failure, and ``Skip``, which a check
-raises (with the reason) where it does not apply."""
+"""What ``check_method`` hands back: the contracts, a ``Result`` per (contract, configuration), the ``Report``,
+``ContractError`` listing every failure; and ``Skip``, raised by a check that does not apply (with the reason)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,8 +30,7 @@ class Skip(Exception):
 
 @dataclass(frozen=True)
 class Result:
-    """One (contract, configuration): ``status`` passed, failed or skipped; ``detail`` the failure's message, the
-    reason for a skip, or a note on a pass."""
+    """One (contract, configuration): passed, failed or skipped; ``detail`` the message, reason or note."""
 
     contract: str
     config: str
@@ -61,25 +59,10 @@ class Report:
         self.results.append(result)
         return result
 
-    def _with(self, status: str) -> list[Result]:
-        return [r for r in self.results if r.status == status]
-
-    @property
-    def passed(self) -> list[Result]:
-        return self._with(PASSED)
-
-    @property
-    def failures(self) -> list[Result]:
-        return self._with(FAILED)
-
-    @property
-    def skipped(self) -> list[Result]:
-        return self._with(SKIPPED)
-
-    @property
-    def ok(self) -> bool:
-        """No failure (skips are not failures)."""
-        return not self.failures
+    passed = property(lambda self: [r for r in self.results if r.status == PASSED])
+    failures = property(lambda self: [r for r in self.results if r.status == FAILED])
+    skipped = property(lambda self: [r for r in self.results if r.status == SKIPPED])
+    ok = property(lambda self: not self.failures, doc="No failure (skips are not failures).")
 
     def failed_contracts(self) -> list[str]:
         """The keys of the contracts with a failure, in contract order."""

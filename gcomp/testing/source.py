@@ -1,6 +1,5 @@
 """Which method a check runs, in a form the worker processes rebuild it from: a registered name (with parameters),
-or a module-level factory named by its module and qualified name (never the function object itself, so a job
-always reaches the workers, and a factory they cannot import fails with their traceback)."""
+or a module-level factory named by its module and qualified name."""
 from __future__ import annotations
 
 import importlib
@@ -77,38 +76,33 @@ class MethodSource:
         return self.name is not None
 
     def _extend_path(self) -> None:
+        """This process's ``sys.path`` extended by the source's (a plugin found after the process started)."""
         missing = [p for p in self.path if p not in sys.path]
         if missing:
             sys.path.extend(missing)
             importlib.invalidate_caches()
-
-    def _find_name(self) -> None:
-        """Make a name registered in the parent process known here too (a plugin found after this process
-        started); an unknown name is left for ``gcomp.create`` to refuse."""
-        if self.name not in gcomp.available() and self.path:
-            self._extend_path()
             load_entry_points(force=True)
 
     def create(self) -> Any:
         """A fresh, configured method."""
         if self.name is not None:
-            self._find_name()
+            if self.name not in gcomp.available():
+                self._extend_path()  # an unknown name is left for gcomp.create to refuse
             return gcomp.create(self.name, **dict(self.params))
         try:
             factory = _resolve(*self.factory)
         except ImportError:
-            if not self.path:
-                raise
             self._extend_path()
             factory = _resolve(*self.factory)
         return factory()
 
     def install(self, model, **params) -> Any:
         """``gcomp.install`` of this method on ``model`` (a name with ``params``, else the factory's method)."""
-        if self.name is not None:
-            self._find_name()
-            return gcomp.install(model, self.name, **{**dict(self.params), **params})
-        return gcomp.install(model, self.create(), **params)
+        if self.name is None:
+            return gcomp.install(model, self.create(), **params)
+        if self.name not in gcomp.available():
+            self._extend_path()
+        return gcomp.install(model, self.name, **{**dict(self.params), **params})
 
 
 def as_source(method: str | MethodSource) -> MethodSource:

@@ -1,6 +1,6 @@
 """FSDP2's contract (11 of ``gcomp.testing.CONTRACTS``: this rank's shard of the sum as the error model says, error
 feedback conserved, a non-finite entry on its shard, AVG divided by the shard count) over every method that serves
-FSDP2 and every variant it was registered with (``gcomp.fsdp.fsdp_configs()``), by ``gcomp.testing.fsdp_jobs``;
+FSDP2 and every variant it was registered with (``gcomp.fsdp.fsdp_configs()``), by ``gcomp.testing``;
 then pactrain's own on FSDP2 (its ternary paths: exactly zero off the support, the carried scale alike on every
 rank, each call's bytes by the codec's formula) and the refusals at install."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 import gcomp
 from gcomp.collectives import bitpack
 from gcomp.fsdp import fsdp_configs, fsdp_methods
-from gcomp.testing import MethodSource, Skip, fidelity, fsdp_jobs
+from gcomp.testing import MethodSource, Skip, fidelity, process_checks
+from gcomp.testing.reduce_jobs import FSDP_CHECKS, job_fsdp
 from gcomp.testing.models import fsdp_mlp
 from tests.distributed import run_ranks_once
 
@@ -23,7 +24,7 @@ WORLDS = (2, 4)
 
 
 def _results(world: int) -> list[dict]:
-    return run_ranks_once(("fsdp-contracts", world), world, fsdp_jobs.job_fsdp, SOURCES, timeout=300)
+    return run_ranks_once(("fsdp-contracts", world), world, job_fsdp, SOURCES, timeout=300)
 
 
 def test_the_suite_runs_every_method_and_variant():
@@ -34,12 +35,12 @@ def test_the_suite_runs_every_method_and_variant():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("what", fsdp_jobs.CHECKS)
+@pytest.mark.parametrize("what", FSDP_CHECKS)
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_fsdp_contract(name, world, what):
     try:
-        fsdp_jobs.check_fsdp(_results(world), name, what)
+        process_checks.check_fsdp(_results(world), name, what)
     except Skip as skip:
         pytest.skip(str(skip))
 
