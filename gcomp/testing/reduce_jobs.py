@@ -228,7 +228,7 @@ def _alone(source: MethodSource, method, layout, x: torch.Tensor) -> str | tuple
 def job_fsdp(sources: list[MethodSource]) -> dict:
     """Per method (by label): ``checks`` (None, a message, or ``("skip", reason)`` per ``FSDP_CHECKS``), first and
     last call's shard, each call's bytes, the stats, the pruned mask (a method that reads the model gets a pruned
-    one) and the method's state."""
+    one) and the method's state after the calls."""
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for source in sources:
@@ -245,16 +245,25 @@ def job_fsdp(sources: list[MethodSource]) -> dict:
         inputs = gather(x)
         rows, total = inputs.view(world, world, -1)[:, rank], inputs.sum(0)
         kind = method.traits.fidelity if isinstance(method, gcomp.Method) else None
-        dtypes = [x.dtype] + ([] if kind is None else [t.dtype for t in copy.deepcopy(method)._send(
-            x.clone(), layout, collections.defaultdict(float)).tensors])
+        dtypes = [x.dtype] + ([] if getattr(kind, "kind", None) != "relative" else [t.dtype for t in copy.deepcopy(
+            method)._send(x.clone(), layout, collections.defaultdict(float)).tensors])
         calls, call_bytes = [], []
         for _ in range(FSDP_STEPS):
             before = state.stats["bytes_sent"]
             calls.append(_call(comm, x))
             call_bytes.append(state.stats["bytes_sent"] - before)
+        saved = method.state_dict()
         checks = {"fidelity": ("skip", f"{type(method).__name__} declares no error model"),
                   "conservation": ("skip", "applies to methods with error feedback"),
                   "avg": ("skip", "AVG is checked for exact and relative error models")}
+        if method.error_feedback:  # what every rank holds back after the calls, handed back (the draws start afresh)
+            held = method.flush(layout.pieces, x)
+            conserved = gather(torch.stack(calls).sum(0)).reshape(-1) + (0 if held is None else gather(
+                held.reshape(-1)).sum(0))
+            expected = total * FSDP_STEPS
+            checks["conservation"] = fidelity.mismatch(conserved, expected, 1e-3 + 1e-4 * expected.abs(),
+                                                       f"{FSDP_STEPS} calls' shards and what every rank holds back "
+                                                       "after them vs the sum of the inputs")
         if kind is not None and kind.kind == "unbiased":
             draws = torch.stack([_call(comm, x).double() for _ in range(fidelity.DRAWS)])
             checks["fidelity"] = fidelity.check_draws(draws, rows, dtypes, "this rank's shard", kind.bound)
@@ -262,14 +271,6 @@ def job_fsdp(sources: list[MethodSource]) -> dict:
             checks["fidelity"] = _alone(source, method, layout, x)
         elif kind is not None:
             checks["fidelity"] = fidelity.check_sum(kind, calls[0].double(), rows, dtypes, "this rank's shard")
-        if method.error_feedback:
-            held = copy.deepcopy(method).flush(layout.pieces, x)
-            conserved = gather(torch.stack(calls).sum(0)).reshape(-1) + (0 if held is None else gather(
-                held.reshape(-1)).sum(0))
-            expected = total * FSDP_STEPS
-            checks["conservation"] = fidelity.mismatch(conserved, expected, 1e-3 + 1e-4 * expected.abs(),
-                                                       f"{FSDP_STEPS} calls' shards and what every rank holds back "
-                                                       "after them vs the sum of the inputs")
         bad = x.clone()
         if rank == 0:
             bad.view(world, -1)[world - 1][0] = float("nan")
@@ -281,5 +282,5 @@ def job_fsdp(sources: list[MethodSource]) -> dict:
                                                "AVG: the shard of the sum divided by the shard count")
         out[source.label] = {"checks": checks, "first": calls[0], "last": calls[-1], "call_bytes": call_bytes,
                              "stats": dict(state.stats), "mask": mask, "own_mask": None if mask is None else mask[rank],
-                             "sizes": list(layout.sizes), "state": method.state_dict()}
+                             "sizes": list(layout.sizes), "state": saved}
     return out
