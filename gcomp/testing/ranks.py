@@ -25,12 +25,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serialise(value) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
 def _worker(rank: int, world: int, port: int, jobs, results) -> None:
     import torch.distributed as dist
 
@@ -43,14 +37,12 @@ def _worker(rank: int, world: int, port: int, jobs, results) -> None:
             break
         try:
             fn, args, kwargs = pickle.loads(job)
-            results.put((rank, True, _serialise(fn(*args, **kwargs))))
+            buf = io.BytesIO()
+            torch.save(fn(*args, **kwargs), buf)
+            results.put((rank, True, buf.getvalue()))
         except BaseException:  # noqa: BLE001 -- every failure goes back to the caller
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
-
-
-def _describe(fn) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 class RankPool:
@@ -81,8 +73,9 @@ class RankPool:
         try:
             job = pickle.dumps((fn, args, kwargs))
         except Exception as err:  # a lambda, a local function, an open file...: it would never reach the ranks
-            raise TypeError(f"{_describe(fn)} cannot be sent to the rank processes ({type(err).__name__}: {err}); "
-                            "jobs go by reference: a module-level function, with picklable arguments") from None
+            raise TypeError(f"{getattr(fn, '__qualname__', None) or repr(fn)} cannot be sent to the rank processes "
+                            f"({type(err).__name__}: {err}); jobs go by reference: a module-level function, with "
+                            "picklable arguments") from None
         for q in self.jobs:
             q.put(job)
         out, errors = {}, {}
