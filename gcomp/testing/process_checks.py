@@ -186,6 +186,7 @@ NUMELS = (1, 300)
 SEEDS = (0, 2**31 - 1)
 LOG_SCALES = (-3.0, 3.0)
 ZEROS = (0.0, 0.5, 1.0)
+PROBE_STEPS = 5  # of the layout probe: a per-bucket sum of one scale differs in about 4 of 5 draws
 NOT_A_METHOD = "is not a gcomp.Method (a composite method): it has no codec of its own to run alone"
 
 
@@ -248,8 +249,9 @@ def check_homomorphism(make: Callable[[], Any], world: int, numel: int, seed: in
 def layout_dependence(make: Callable[[], Any], label: str) -> str | None:
     """None when the method treats a parameter's entries alike, bit for bit, wherever DDP places them in the bucket,
     else why a resume from before DDP's bucket rebuild cannot follow the run never stopped. Unless it says it
-    ``depends_on_layout``, it is run three steps on the MLP's parameters in several orders (forward, backward,
-    shuffled: a per-bucket sum differs in its last bits) and compared; a composite depends when a part does."""
+    ``depends_on_layout``, it is run five steps on the MLP's parameters in DDP's first and rebuilt orders (forward,
+    backward), on gradients of one scale (a per-bucket sum then differs in its last bits) and of many, and
+    compared; a composite depends when a part does."""
     dependent = (f"{label} depends on where a parameter lies in the bucket, and a fresh DDP model starts from its "
                  "initial layout")
     first = make()
@@ -264,20 +266,22 @@ def layout_dependence(make: Callable[[], Any], label: str) -> str | None:
     if not isinstance(first, gcomp.Method):
         return f"whether {label} depends on the bucket's layout is unknown ({type(first).__name__} {NOT_A_METHOD})"
     named = [(n, p.numel()) for n, p in models.mlp().named_parameters()]
-    g, rng = torch.Generator().manual_seed(5), random.Random(5)
-    grads = {n: torch.randn(k, generator=g) * 10.0 ** torch.randint(-3, 3, (), generator=g) for n, k in named}
+    g = torch.Generator().manual_seed(5)
+    grads = [{n: torch.randn(k, generator=g) * (10.0 ** torch.randint(-3, 3, (), generator=g) if step == 1 else 1)
+              for n, k in named}
+             for step in range(PROBE_STEPS)]  # gradients of many scales at step 1, of one scale at the others
 
     def run(order):
-        method, info = make(), gcomp.BucketInfo.from_layout(0, torch.float32, *zip(*order))
-        flat = torch.cat([grads[n] for n, _ in order])
-        return [{n: d[o:o + k] for n, o, k in info.segments()} for d in (decode_alone(method, method._send(
-            flat * (step + 1), info, collections.defaultdict(float))) for step in range(3))]
+        method, info, out = make(), gcomp.BucketInfo.from_layout(0, torch.float32, *zip(*order)), []
+        for step in range(PROBE_STEPS):
+            flat = torch.cat([grads[step][n] for n, _ in order])
+            d = decode_alone(method, method._send(flat, info, collections.defaultdict(float)))
+            out.append({n: d[o:o + k] for n, o, k in info.segments()})
+        return out
 
     try:
-        base = run(named)
-        for order in [named[::-1]] + [rng.sample(named, len(named)) for _ in range(4)]:
-            if not all(torch.equal(a[n], b[n]) for a, b in zip(base, run(order)) for n in a):
-                return dependent
+        if not all(torch.equal(a[n], b[n]) for a, b in zip(run(named), run(named[::-1])) for n in a):
+            return dependent
     except Exception as err:  # noqa: BLE001 -- a codec that cannot run alone here: the resumes will say
         return f"whether {label} depends on the bucket's layout is unknown ({type(err).__name__}: {err})"
     return None
