@@ -50,16 +50,20 @@ class Keeps(enum.Enum):
 @dataclass(frozen=True)
 class Fidelity:
     """How far the decoded mean may lie from the exact mean: the error model ``gcomp.testing.check_method`` holds
-    a method to, on its own inputs.
+    a method to on its own inputs ``v_r`` (each rank's bucket divided by the world size, plus what error feedback
+    held back), beside the rounding of a sum in the bucket's and payload's dtypes:
 
     - ``exact``: the exact mean, up to summation order;
-    - ``relative``: each entry within ``bound`` times the largest sum of magnitudes over the ranks in its block of
-      ``block`` entries (a wire dtype's rounding: fp16, bf16, block-scaled formats);
-    - ``unbiased``: the mean over many draws is the exact mean (stochastic rounding, sampling);
-    - ``largest``: each rank sends entries of its input exactly and the rest as zero, no dropped entry larger in
-      magnitude than a sent one (top-k, thresholds);
-    - ``contraction``: each rank's payload decoded alone, C(x), has ``|x - C(x)|^2 <= (1 - bound) |x|^2`` (low
-      rank, signs, random subsets; ``bound`` may be 0).
+    - ``relative``: each entry within ``bound (world + 1) M`` of the exact mean, ``M`` the largest sum over ranks
+      of ``|v_r|`` of any ``block`` consecutive entries holding it (``block=0``: the whole bucket): a wire dtype's
+      rounding (fp16: ``2**-11``), block-scaled formats;
+    - ``unbiased``: the mean of many draws is the exact mean within 6 standard deviations, except on at most a
+      share ``bound`` of the entries per rank (clipped outliers: TernGrad's clip at c std leaves ``1 / c**2``);
+    - ``largest``: each rank's bucket reduced on that rank alone carries some entries of its input (within
+      ``bound`` of them relatively: narrowed values) and zeros elsewhere, no entry left out larger in magnitude
+      than one sent (top-k, thresholds);
+    - ``contraction``: each rank's bucket reduced on that rank alone, C(x), has ``|x - C(x)|^2 <= (1 - bound)
+      |x|^2`` (low rank, signs, random subsets; ``bound`` may be 0).
     """
 
     kind: str
@@ -79,7 +83,8 @@ LARGEST = Fidelity("largest")
 
 
 def relative(bound: float, block: int = 1) -> Fidelity:
-    """Each entry within ``bound`` of the largest magnitude sum in its block of ``block`` entries."""
+    """Each entry within ``bound (world + 1)`` times the largest sum over ranks of magnitudes in a block of
+    ``block`` entries holding it (0: the whole bucket)."""
     return Fidelity("relative", bound, block)
 
 
@@ -101,8 +106,8 @@ class Traits:
     - ``rows``: how it meets FSDP2's rows (one per destination shard): ``"each"`` row encoded on its own,
       ``"whole"`` (an entry-for-entry codec: its payload of the whole input, viewed as rows), ``"native"``
       (``encode`` takes the ``ShardLayout`` itself) or None (DDP only);
-    - ``wire_bytes(n, world)``: the bytes one rank hands to the collectives for a bucket of ``n`` fp32 entries,
-      None where the data decides;
+    - ``wire_bytes(bucket, world)``: the bytes one rank hands to the collectives for a bucket laid out as
+      ``bucket`` (a ``BucketInfo``: its entries, dtype and parameters), None where the data decides;
     - ``decodes_alone``: the result is the sum of each rank's payload decoded alone (False for a majority vote, a
       shared basis); ``depends_on_layout``: the result depends on where DDP lays each parameter in the bucket;
       ``reads_model``: it reads the model it is bound to (pruning masks); ``host_syncs``: host synchronisations
@@ -115,7 +120,7 @@ class Traits:
     slots: tuple[str, ...] = ()
     held: tuple[str, ...] = ()
     rows: str | None = "each"
-    wire_bytes: Callable[[int, int], int] | None = None
+    wire_bytes: Callable[[BucketInfo, int], int] | None = None
     decodes_alone: bool = True
     depends_on_layout: bool = False
     reads_model: bool = False
@@ -296,7 +301,11 @@ class LayoutState:
     def _adopt(self, bucket: BucketInfo, like: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors = {}
         for slot in self.slots:
-            flat = like.new_zeros(like.numel())
+            dtype = like.dtype  # a slot kept wider than the bucket (fp32 momentum of a bf16 model) stays so
+            for name in bucket.names:
+                if name in self._pieces[slot]:
+                    dtype = torch.promote_types(dtype, self._pieces[slot][name].dtype)
+            flat = like.new_zeros(like.numel(), dtype=dtype)
             for name, offset, numel in bucket.segments():
                 piece = self._pieces[slot].pop(name, None)
                 if piece is not None:

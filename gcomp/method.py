@@ -263,11 +263,13 @@ class Method(MethodUnit):
         self.compressor.load_state_dict(own)
 
     def _split(self, state: dict) -> tuple[dict, dict]:
-        """A compressor state as its own state and its slots (gcomp 0.1's point-to-point codecs nested their
-        residuals under ``"memory"``: read as the slots)."""
+        """A compressor state as its own state and its slots (gcomp 0.1 nested them under one key: ``"memory"``,
+        the point-to-point codecs' residuals; ``"owner"``, fp8/mx's owner error: read as the slots, the same dicts)."""
         slots = self.traits.slots
-        if slots and not set(slots) & set(state) and isinstance(state.get("memory"), dict):
-            state = {**{k: v for k, v in state.items() if k != "memory"}, **state["memory"]}
+        if slots and not set(slots) & set(state):
+            nested = [k for k, v in state.items() if isinstance(v, dict) and set(slots) <= set(v)]
+            if nested:
+                state = {**{k: v for k, v in state.items() if k != nested[0]}, **state[nested[0]]}
         return {k: v for k, v in state.items() if k not in slots}, {k: v for k, v in state.items() if k in slots}
 
     @property

@@ -14,7 +14,7 @@ import hashlib
 
 import torch
 
-from gcomp.state_checks import check_state
+from gcomp.state_checks import check_state, generator_state
 
 _SEED_BITS = 63  # torch seeds are 64-bit; staying below the sign bit keeps every API happy
 
@@ -56,9 +56,8 @@ class Stream:
         """``state_dict()``'s form; a per-device generator state of gcomp 0.1 (a tensor, or a dict of them by
         device), or ``{}`` (a resized run), starts the stream afresh."""
         if isinstance(state, torch.Tensor) or isinstance(state, dict) and "seed" not in state:
-            if isinstance(state, dict) and not all(isinstance(v, torch.Tensor) for v in state.values()):
-                raise ValueError(f"{self.tag}: the random stream's state must be {{'seed', 'draws'}}; got keys "
-                                 f"{sorted(state)}")
+            for device, value in ({"cpu": state} if isinstance(state, torch.Tensor) else state).items():
+                generator_state(self.tag, device, value)  # a bad one is named at load, not ignored
             self.draws = 0
             return
         check_state(f"{self.tag} random stream", state, {"seed": int, "draws": int})

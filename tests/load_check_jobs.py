@@ -85,8 +85,8 @@ def load_cases() -> dict:
             _edit(powersgd, set_generator(None, short)), "powersgd"),
         "powersgd: a query of the wrong shape": _load_and_step(_edit(powersgd, lambda p: p["method"]["compressor"][
             "queries"].update({"2.weight": torch.zeros(16, 2)})), "powersgd"),
-        "powersgd: an error of the wrong shape": _load_and_step(_edit(powersgd, lambda p: p["method"]["compressor"][
-            "errors"].update({"2.weight": torch.zeros(1024)})), "powersgd"),
+        "powersgd: an error of the wrong size": _load_and_step(_edit(powersgd, lambda p: p["method"]["compressor"][
+            "errors"].update({"2.weight": torch.zeros(1000)})), "powersgd"),
         "pactrain: a ternary residual of the wrong size": _load_and_step(
             _edit(ternary, lambda p: _first_track(p).update(residual=torch.zeros(7))), "pactrain", pruned_mlp(0),
             **TERNARY),

@@ -356,7 +356,7 @@ LOAD_CHECKS = [
     ("randomk: a generator state of the wrong size", ["randomk", "generator state", "100 bytes", "5056"]),
     ("powersgd: a generator state of the wrong size", ["powersgd", "generator state", "100 bytes", "5056"]),
     ("powersgd: a query of the wrong shape", ["'queries' of parameter '2.weight'", "(16, 2)", "(32, 1)"]),
-    ("powersgd: an error of the wrong shape", ["'errors' of parameter '2.weight'", "(1024,)", "(32, 32)"]),
+    ("powersgd: an error of the wrong size", ["'errors' of parameter '2.weight'", "1000 entries", "1024"]),
     ("pactrain: a ternary residual of the wrong size", ["tracker entry", "parameters 4.bias, 4.weight", "'residual'",
                                                         "holds 7 entries", "its support keeps"]),
     ("pactrain: a ternary residual of the wrong dtype", ["'residual' must be a 1-D torch.float32", "torch.float64"]),

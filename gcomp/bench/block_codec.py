@@ -1,11 +1,10 @@
-"""The block-scaled formats' codec speed (``gcomp.compressors.block_formats``): encode, decode and both, each as a
+"""The block-scaled formats' codec speed (``gcomp.compressors.blockfloat.formats``): encode, decode and both, each as a
 ratio to a plain copy of the bucket, on one CPU thread, timed interleaved (``timing.median_times``) on the process's
 CPU time, so that a loaded shared machine slows every operation alike.
 
     python -m gcomp.bench.block_codec --size-mb 64 --repeats 5 [--rounding stochastic] [--formats mxfp4 nvfp4]
 
-The decode writes into a preallocated fp32 buffer (as a method's decode into its bucket would); the encode
-allocates its wire tensors, as it does in a method.
+The bucket is one row (one chunk); the encode and the decode allocate their outputs, as they do in a method.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import time
 import torch
 
 from gcomp.bench.timing import median_times
-from gcomp.compressors.block_formats import NAMES, block_format
+from gcomp.compressors.blockfloat.formats import NAMES, block_format
 
 
 def run(size_mb: float = 64, repeats: int = 5, rounding: str = "nearest", formats=NAMES) -> list[dict]:
@@ -29,17 +28,17 @@ def run(size_mb: float = 64, repeats: int = 5, rounding: str = "nearest", format
 
 def _rows(size_mb: float, repeats: int, rounding: str, formats) -> list[dict]:
     n = max(128, int(size_mb * 2 ** 20) // 4 // 128 * 128)
-    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, n, generator=torch.Generator().manual_seed(0))
     dst = torch.empty_like(x)
     generator = torch.Generator().manual_seed(1)
     rows = []
     for name in formats:
         fmt = block_format(name)
-        wire = fmt.encode(x, rounding, generator)
+        wire, _ = fmt.encode(x, rounding, generator)
         times = median_times({
             "copy": lambda: dst.copy_(x),
             "encode": lambda: fmt.encode(x, rounding, generator),
-            "decode": lambda: fmt.decode(wire, n, out=dst),
+            "decode": lambda: fmt.decode(wire, n),
         }, repeats, time.process_time)
         copy = times["copy"]
         encode, decode = times["encode"] / copy, times["decode"] / copy

@@ -2,7 +2,7 @@
 
 A benchmark run measures, per optimizer step and on rank 0, what each method computes (forward, backward,
 optimizer; encode and decode; ``round_work_s``, the codec's work between its rounds) and what its
-communicator launched (``gcomp.collectives.counting``: all-reduces and all-gathers with their bytes,
+communicator launched (``gcomp.collectives.launch``: all-reduces and all-gathers with their bytes,
 point-to-point rounds with their bytes, sequential rounds). Its workers also probe the path they run on
 (``gcomp.bench.throughput``): the latency per message ``alpha`` and the seconds per byte ``beta`` from two
 timed gloo all-reduces, and ``alpha`` again right after a step's local work (the latency a step's rounds

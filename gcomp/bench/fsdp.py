@@ -3,7 +3,7 @@
 Each worker shards its model (every child module that holds parameters, then the root, over one 1-D mesh of all
 workers) after pruning it, and installs the method with ``gcomp.install`` (``gcomp.fsdp``). ``torch:allreduce``
 stands for plain FSDP2 there: FSDP's own reduce-scatter (``dist.reduce_scatter_single``), only counted. On gloo
-that collective moves what an all-reduce does (``gcomp.collectives.reduce_scatter`` says how it was measured), so
+that collective moves what an all-reduce does (``gcomp.collectives.reduce.reduce_scatter_sum`` says how it was measured), so
 ``identity`` (gcomp's all-to-all reduce-scatter) already sends half of plain FSDP2's bytes on the wire while
 ``bytes_sent`` counts both alike (the input handed to the collective).
 
@@ -22,15 +22,15 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 import gcomp
 from gcomp.bench.methods import BenchMethod, parse_method
-from gcomp.fsdp.methods import check_serves_fsdp, fsdp_methods
+from gcomp.fsdp.install import check_serves_fsdp, fsdp_methods
 
 PLAIN = "torch:allreduce"  # plain FSDP2 under --fsdp
 DEFAULT_METHODS = (PLAIN, "identity", "fp16", "pactrain", "spardl")
 
 
 def check_methods(methods: list[str]) -> None:
-    """A ValueError for a method that cannot run under FSDP2 (PyTorch's DDP hooks, methods without an FSDP codec,
-    options a row strategy refuses), naming those that can."""
+    """A ValueError for a method that cannot run under FSDP2 (PyTorch's DDP hooks, methods whose codec does not,
+    options it refuses), naming those that can."""
     for text in methods:
         method = parse_method(text)
         if getattr(method, "outer", False):

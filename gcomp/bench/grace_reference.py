@@ -184,10 +184,8 @@ def gcomp_step(name: str, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
     bucket = gcomp.BucketInfo.single(tensor)
 
     def step():
-        compensated = method.memory.compensate(tensor, bucket)
-        payload = method.compressor.compress(compensated, bucket)
-        method.memory.update(compensated, bucket, method.compressor, payload)
-        return method.compressor.aggregate([t.unsqueeze(0) for t in payload.tensors], payload.ctx)
+        payload = method._send(tensor, bucket, {"bytes_sent": 0})  # compensate, encode, keep the residual
+        return method.compressor.decode([t.unsqueeze(0) for t in payload.tensors], payload.ctx)
 
     return step
 

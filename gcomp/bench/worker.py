@@ -43,7 +43,7 @@ from gcomp.bench.rate_control import NoSwitch, RateSwitch, worker_switch
 from gcomp.bench.rate_schedule import segment_times
 from gcomp.bench.straggler import ReadyClock, wait_for_peers
 from gcomp.bench.throughput import probe_link, probe_loaded_latency
-from gcomp.collectives.counting import COUNTER_KEYS
+from gcomp.collectives.launch import COUNTER_KEYS
 from gcomp.bench.workloads import Data, accuracy, load_data, loss_fn, make_model
 from gcomp.pruning import no_buffer_sync
 from gcomp.pruning import kept_fraction, prune
@@ -51,7 +51,7 @@ from gcomp.pruning import kept_fraction, prune
 COMPUTE_SAMPLES = 5
 # the hook's counters a row reports per step; the inter-node pair only for hierarchical methods (on a leader)
 COUNTERS = ("bytes_sent", "bytes_dense", "encode_s", "decode_s", "inter_bytes", "inter_bytes_dense")
-# what the communicators launched (gcomp.collectives.counting), per step in a row: what gcomp simulate prices
+# what the communicators launched (gcomp.collectives.launch), per step in a row: what gcomp simulate prices
 LAUNCHED = ("buckets", *COUNTER_KEYS)
 
 

@@ -1,11 +1,58 @@
-"""Rank jobs of tests/auto/test_auto_hook.py (module level, so that worker processes can import them)."""
+"""Rank jobs of tests/auto/test_auto_hook.py (module level, so that worker processes can import them), and the
+hand-built methods the auto tests list beside the cast family's: ``test-strided`` (every 16th entry sent, 1/16 of
+the bytes; error feedback keeps the rest) and ``test-late`` (each bucket sent a step late: a held slot, as DGC's
+velocity)."""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 import gcomp
+from gcomp import registry
+from gcomp.collectives import AllreduceCommunicator
 from tests import models
+
+
+class Strided(gcomp.Compressor):
+    traits = gcomp.Traits(fidelity=gcomp.contraction(), rows=None)
+
+    def encode(self, x, state, layout):
+        rest = x.clone()
+        rest[0::16] = 0
+        return gcomp.Payload([x[0::16].contiguous()], ctx=x.numel(), residual=rest), state
+
+    def decode(self, received, ctx):
+        out = received[0].new_zeros(ctx)
+        out[0::16] = received[0]
+        return out
+
+
+class Late(gcomp.Compressor):
+    traits = gcomp.Traits(fidelity=gcomp.contraction(), slots=("held",), held=("held",), rows=None)
+
+    def encode(self, x, state, layout):
+        return gcomp.Payload([state["held"]]), {"held": x.clone()}
+
+    def decode(self, received, ctx):
+        return received[0].clone()
+
+
+HAND_BUILT = {"test-strided": lambda: gcomp.Method(Strided(), gcomp.ResidualMemory(), AllreduceCommunicator()),
+              "test-late": lambda: gcomp.Method(Late(), gcomp.NoMemory(), AllreduceCommunicator())}
+
+
+@contextmanager
+def hand_built():
+    """The hand-built methods registered inside the block only (other tests go through every registered method)."""
+    for name, factory in HAND_BUILT.items():
+        registry.register(name)(factory)
+    try:
+        yield
+    finally:
+        for name in HAND_BUILT:
+            registry._REGISTRY.pop(name, None)
 
 
 def _trained(name: str | None, steps: int, seed: int = 0, **params) -> tuple[torch.nn.Module, object]:
@@ -37,6 +84,11 @@ class AlternatingLink:
 
 def job_switching(allow, steps: int, prune: bool = False) -> dict:
     """Train with ``auto`` on a link that a fake probe makes alternate, and every check probe again."""
+    with hand_built():
+        return _switching(allow, steps, prune)
+
+
+def _switching(allow, steps: int, prune: bool) -> dict:
     import gcomp.auto.chooser as auto_chooser
 
     auto_chooser.probe_network = AlternatingLink()
@@ -57,6 +109,11 @@ def job_switching(allow, steps: int, prune: bool = False) -> dict:
 def job_conservation(allow, steps: int) -> dict:
     """Fake float64 buckets through the hook with ``auto`` switching methods: what came out, what went in (over
     every rank), and what the candidates still hold back (over every rank), per bucket."""
+    with hand_built():
+        return _conservation(allow, steps)
+
+
+def _conservation(allow, steps: int) -> dict:
     import gcomp.auto.chooser as auto_chooser
     from gcomp.testing.buckets import FakeBucket, bucket_groups
 
@@ -83,11 +140,10 @@ def job_conservation(allow, steps: int) -> dict:
     parked = 0.0  # held back by a method that is not the layout's last: a switch left it behind
     for record in auto.chooser.records.values():
         for i, method in enumerate(auto.methods):
-            for part in (method.memory.flush(record.bucket, held[record.bucket.index]),
-                         method.compressor.flush(record.bucket, held[record.bucket.index])):
-                if part is not None:
-                    held[record.bucket.index] += part
-                    parked += float(part.abs().sum()) if i != record.last else 0.0
+            part = method.flush(record.bucket, held[record.bucket.index])  # its memory's and its held slots'
+            if part is not None:
+                held[record.bucket.index] += part
+                parked += float(part.abs().sum()) if i != record.last else 0.0
     for t in given + held:
         dist.all_reduce(t)
     return {"sent": sent, "given": given, "held": held, "parked": parked, "switches": state.stats["auto_switches"],
@@ -109,13 +165,13 @@ def job_one_slow_rank(steps: int) -> dict:
     identity, fp16 = (m.compressor for m in state.method.methods)
 
     def slowed(codec, seconds):
-        compress = codec.compress
+        encode = codec.encode
 
-        def slow(tensor, bucket):
+        def slow(x, state, layout):
             time.sleep(seconds)
-            return compress(tensor, bucket)
+            return encode(x, state, layout)
 
-        codec.compress = slow
+        codec.encode = slow
 
     slowed(fp16, 0.01)
     if dist.get_rank() == dist.get_world_size() - 1:

@@ -4,17 +4,35 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import gcomp
 import gcomp.auto.chooser as auto_chooser
-import gcomp.auto.method as auto_method
-from gcomp.auto.agree import Pending
-from gcomp.auto.record import LayoutRecord
-from gcomp.auto.tee import TeeStats
-from gcomp.link import Network
+from gcomp.auto.choice import LayoutRecord
+from gcomp.auto.chooser import AutoChooser
 from gcomp.bucket import BucketInfo
+from gcomp.compressors.composites import AUTO_KEYS, TeeStats
+from gcomp.link import Network
+from tests.auto.auto_jobs import hand_built
 
 MB = 1_000_000
+
+
+@pytest.fixture
+def hand_built_methods():
+    with hand_built():
+        yield
+
+
+@pytest.fixture
+def group(tmp_path):
+    """The default group of this process (one rank), for the test only."""
+    assert not dist.is_initialized(), "a default process group was left behind by an earlier test"
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 def test_tee_stats_count_apart_and_into_the_parent():
@@ -28,57 +46,81 @@ def test_tee_stats_count_apart_and_into_the_parent():
 
 
 def test_allow_is_held_as_canonical_text_and_checked_at_creation():
-    assert gcomp.create("auto").params["allow"] == "exact"
-    assert gcomp.create("auto", allow=["identity", "topk:ratio=0.05"]).params["allow"] == "identity|topk:ratio=0.05"
     assert gcomp.create("auto", allow="identity|fp16").specs == ["identity", "fp16"]
-    assert gcomp.create("auto", allow="half").specs == ["identity", "pactrain", "fp16", "bf16"]
+    assert gcomp.create("auto", allow=["identity", "bf16"]).params["allow"] == "identity|bf16"
     for allow, match in [(5, "must be 'exact', 'half', or a list"),
                          ("exactly", r"neither a preset \(exact, half\) nor a registered method"),
-                         (["spardl"], "point-to-point"), (["topk:ratio=7"], "allow entry 'topk:ratio=7'"),
-                         (["pactrain:ternary=true,error_feedback=true"], "cannot hand it to another method")]:
+                         (["hierarchical"], "'hierarchical' collective, which auto cannot price")]:
         with pytest.raises(ValueError, match=match):
             gcomp.comm_hook("auto", allow=allow)
 
 
-def test_a_residual_memory_hands_its_residual_over_once():
-    method = gcomp.create("topk", ratio=0.1)
+def test_allow_with_the_other_families():  # needs pactrain and the sparse family
+    assert gcomp.create("auto").params["allow"] == "exact"
+    assert gcomp.create("auto", allow=["identity", "topk:ratio=0.05"]).params["allow"] == "identity|topk:ratio=0.05"
+    assert gcomp.create("auto", allow="half").specs == ["identity", "pactrain", "fp16", "bf16"]
+    for allow, match in [(["spardl"], "point-to-point"), (["topk:ratio=7"], "allow entry 'topk:ratio=7'")]:
+        with pytest.raises(ValueError, match=match):
+            gcomp.comm_hook("auto", allow=allow)
+
+
+def test_a_method_holding_back_gradient_it_cannot_flush_is_refused(hand_built_methods):
+    class Hoarder(gcomp.MethodUnit):  # error feedback of its own, and no flush
+        collective, error_feedback = gcomp.ALLREDUCE, True
+
+        def reduce(self, buffer, layout, group, stats):
+            raise NotImplementedError
+
+    gcomp.register("test-hoarder")(lambda: Hoarder())
+    try:
+        with pytest.raises(ValueError, match="cannot hand it to another method"):
+            gcomp.create("auto", allow=["identity", "test-hoarder"])
+    finally:
+        gcomp.registry._REGISTRY.pop("test-hoarder")
+    assert gcomp.create("auto", allow="identity|test-strided|test-late").specs[1:] == ["test-strided", "test-late"]
+
+
+def _reduced(method, grad: torch.Tensor, info: BucketInfo) -> torch.Tensor:
+    return method.reduce(grad.clone(), info, None, {"bytes_sent": 0}).wait()
+
+
+@pytest.mark.parametrize("spec", ["test-strided", "test-late"])
+def test_a_method_hands_what_it_held_back_over_once(hand_built_methods, group, spec):
+    """A residual memory's gradient (``test-strided``) and a held slot's (``test-late``): what was sent plus what is
+    flushed is what was given, and the next flush holds nothing."""
+    method = gcomp.create(spec)
     info = BucketInfo.single(torch.zeros(50))
-    grad = torch.randn(50, generator=torch.Generator().manual_seed(0))
-    assert method.memory.flush(info, grad) is None
-    compensated = method.memory.compensate(grad, info)
-    payload = method.compressor.compress(compensated, info)
-    method.memory.update(compensated, info, method.compressor, payload)
-    sent = method.compressor.decompress(payload.tensors, payload.ctx)
-    held = method.memory.flush(info, grad)
-    torch.testing.assert_close(held + sent, grad, rtol=0, atol=0)
-    assert torch.equal(method.memory.compensate(grad, info), grad), "the residual was handed over, not kept"
+    sent, given = torch.zeros(50), torch.zeros(50)
+    assert method.flush(info, given) is None
+    for step in range(3):
+        grad = torch.randn(50, generator=torch.Generator().manual_seed(step))
+        sent, given = sent + _reduced(method, grad, info), given + grad
+    torch.testing.assert_close(sent + method.flush(info, given), given, rtol=0, atol=1e-6)
+    again = method.flush(info, given)
+    assert again is None or not again.any(), "the held gradient was handed over, not kept"
 
 
-def test_powersgd_hands_its_error_over_laid_out_in_the_bucket():
+def test_powersgd_hands_its_error_over_laid_out_in_the_bucket(group):  # needs the low-rank family
     model = torch.nn.Linear(30, 20)
     method = gcomp.create("powersgd", rank=1, min_compression_rate=1.0)
-    method.compressor.bind(model, None, {})
+    method.bind(model, group, {})
     info = BucketInfo.from_layout(0, torch.float32, ["weight", "bias"], [600, 20])
     grad = torch.randn(620, generator=torch.Generator().manual_seed(1))
-    assert method.compressor.flush(info, grad) is None
-    payload = method.compressor.compress(grad, info)
-    method.compressor.second_round(payload)
-    error = method.compressor._errors["weight"].clone()
-    held = method.compressor.flush(info, grad)
-    assert torch.equal(held[:600], error.reshape(-1)) and not held[600:].any() and error.abs().sum() > 0
-    assert method.compressor.flush(info, grad) is None
+    assert method.flush(info, grad) is None
+    sent = _reduced(method, grad, info)
+    held = method.flush(info, grad)
+    torch.testing.assert_close(held + sent, grad, rtol=1e-5, atol=1e-5)
+    assert held[:600].abs().sum() > 0 and not held[600:].any()
+    assert not method.flush(info, grad).any()
 
 
-def test_dgc_hands_its_velocity_over_and_starts_again():
+def test_dgc_hands_its_velocity_over_and_starts_again(group):  # needs the sparse family
     method = gcomp.create("dgc", ratio=0.1, warmup_steps=0)
     info = BucketInfo.single(torch.zeros(100))
     grad = torch.randn(100, generator=torch.Generator().manual_seed(2))
-    payload = method.compressor.compress(grad, info)
-    sent = method.compressor.decompress(payload.tensors, payload.ctx)
-    held = method.compressor.flush(info, grad)
-    torch.testing.assert_close(held + sent, grad)  # momentum 0.9 of a first step: u = g, v = g
-    buffers = method.compressor.state.find(info, grad)
-    assert not buffers["velocity"].any() and not buffers["momentum"].any()
+    sent = _reduced(method, grad, info)
+    torch.testing.assert_close(method.flush(info, grad) + sent, grad)  # momentum 0.9 of a first step: u = g, v = g
+    assert not method.flush(info, grad).any()
 
 
 # --- decisions ------------------------------------------------------------------------------------------------
@@ -94,7 +136,7 @@ class FakeLink:
 
 def _stats(auto) -> dict:
     keys = ("steps", "encode_s", "decode_s", "round_work_s", "rounds", "allreduce_calls", "allreduce_bytes",
-            "allgather_calls", "allgather_bytes") + auto_method.STAT_KEYS
+            "allgather_calls", "allgather_bytes") + AUTO_KEYS
     return {k: 0.0 for k in keys}
 
 
@@ -125,8 +167,7 @@ COMPUTE_S = 2e-3
 def _no_collectives(monkeypatch, link) -> None:
     """``link`` as the probe; the agreements pass this rank's values through (one fake rank speaks for all)."""
     monkeypatch.setattr(auto_chooser, "probe_network", link)
-    monkeypatch.setattr(auto_chooser, "agree_max", lambda values, group, device: list(values))
-    monkeypatch.setattr(auto_chooser, "launch_max", lambda values, group, device: Pending(None, torch.tensor(values)))
+    monkeypatch.setattr(auto_chooser, "launch_max", lambda values, group, device: lambda: list(values))
 
 
 def _small_bucket(topk_encode_s: float) -> dict:
@@ -136,9 +177,10 @@ def _small_bucket(topk_encode_s: float) -> dict:
                                 "allgather_bytes": 24e3}}
 
 
-def _auto(**params):
-    """``auto``'s chooser on 4 fake ranks, on a clock that the fake steps move."""
-    auto = gcomp.create("auto", **params).chooser
+def _auto(allow, probe_every=10, trials=5, margin=0.1, reprobe_above=2.0):
+    """``auto``'s chooser (its defaults) on 4 fake ranks, on a clock that the fake steps move; the specs are only
+    labels here (no method is created)."""
+    auto = AutoChooser(allow, probe_every, trials, margin, reprobe_above)
     auto.workers, auto.now = 4, 0.0
     auto.clock = lambda: auto.now
     return auto
@@ -207,7 +249,7 @@ def test_the_waits_measured_while_measuring_correct_the_price(monkeypatch):
     info = BucketInfo.single(torch.zeros(MB // 4))
     ran = [_run_step(auto, stats, info, waits, fakes) for _ in range(5)]
     assert ran[-1] == "identity"
-    costs = auto.costs[info.key]
+    costs = auto.records[info.key].costs
     assert costs[1].overhead_s > 0.01 and costs[0].overhead_s < 0.005
     without = {auto.specs[i]: gcomp.auto.BucketCost(c.codec_s, c.launched) for i, c in costs.items()}
     assert gcomp.auto.choose(without, 4, auto.network).method == "topk:ratio=0.02"  # the formulas alone

@@ -20,7 +20,8 @@ def _grad(step: int, rank: int, numel: int, dtype=torch.float32) -> torch.Tensor
 
 
 def _reference(fmt, grads: list[list[torch.Tensor]], world: int, error_feedback: bool) -> list[torch.Tensor]:
-    """The two phases computed by hand from the format alone, every rank simulated here: per step the result."""
+    """The two phases computed by hand from the format alone (chunk by chunk), every rank simulated here: per step
+    the result. The owner sums the chunks it received in rank order, by one reduction (``sum(0)``)."""
     numel = grads[0][0].numel()
     width = max(1, -(-numel // (world * fmt.block))) * fmt.block
     residuals = [torch.zeros(numel) for _ in range(world)]
@@ -31,19 +32,17 @@ def _reference(fmt, grads: list[list[torch.Tensor]], world: int, error_feedback:
         for s in range(world):
             x = torch.zeros(world * width)
             x[:numel] = step_grads[s] + residuals[s] if error_feedback else step_grads[s]
-            chunks = [fmt.encode(x[r * width:(r + 1) * width], rounding="nearest") for r in range(world)]
-            decoded = torch.cat([fmt.decode(c, width) for c in chunks])
+            chunks = [fmt.encode(x[r * width:(r + 1) * width].view(1, -1), "nearest")[0] for r in range(world)]
+            decoded = torch.cat([fmt.decode(c, width).view(-1) for c in chunks])
             if error_feedback:
                 residuals[s] = (x - decoded)[:numel]
             sent.append(chunks)
         y = torch.zeros(world * width)
         for r in range(world):
-            total = torch.zeros(width)
-            for s in range(world):
-                total += fmt.decode(sent[s][r], width)
+            total = torch.stack([fmt.decode(sent[s][r], width).view(-1) for s in range(world)]).sum(0)
             if error_feedback:
                 total += owner[r * width:(r + 1) * width]
-            out = fmt.decode(fmt.encode(total, rounding="nearest"), width)
+            out = fmt.decode(fmt.encode(total.view(1, -1), "nearest")[0], width).view(-1)
             if error_feedback:
                 owner[r * width:(r + 1) * width] = total - out
                 owner[numel:] = 0
@@ -70,8 +69,10 @@ def _two_phases(spec: str, numel: int, steps: int) -> dict:
     compressor = method.compressor
     reference = _reference(compressor.fmt, grads, world, compressor.error_feedback)
     width = compressor.width(numel, world)
+    held, again = (method.flush(bucket, results[-1]) for _ in range(2))  # the owner error and the residual, once
     return {"results": torch.stack(results), "reference": torch.stack(reference), "stats": stats,
-            "wire_bytes": compressor.fmt.wire_bytes(width), "width": width}
+            "wire_bytes": compressor.fmt.wire_bytes(width), "width": width, "held": held, "again": again,
+            "declared": compressor.traits.wire_bytes(bucket, world)}
 
 
 def job_conservation(specs: list[str], steps: int) -> dict:
@@ -99,7 +100,7 @@ def _conservation(spec: str, steps: int) -> dict:
             outputs[name] += result[offset:offset + k]
     state = method.state_dict()
     held = {n: torch.zeros(k, dtype=torch.float64) for n, k in numels.items()}
-    for part in (state["memory"].get("residuals", {}), state["compressor"].get("owner", {}).get("owner_error", {})):
+    for part in (state["memory"].get("residuals", {}), state["compressor"].get("owner_error", {})):
         for name, t in part.items():
             held[name] += t.double()
     return {"inputs": inputs, "outputs": outputs, "held": held, "result_dtype": result.dtype}

@@ -1,7 +1,7 @@
 """The element formats written out from their definitions (OCP 8-bit floating point and OCP Microscaling v1.0), in
 plain Python with exact fractions: every code's value from its sign, exponent and mantissa, and the code of a
 number by a search over those values (nearest, ties to the even code; saturating). The tests hold
-``gcomp.compressors.minifloat`` and ``gcomp.compressors.block_formats`` to it; nothing here uses them."""
+``gcomp.compressors.blockfloat.minifloat`` and ``.formats`` to it; nothing here uses them."""
 from __future__ import annotations
 
 import bisect

@@ -7,7 +7,6 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 import gcomp
-from gcomp.compressors.powersgd import PowerSGDCompressor
 from gcomp.testing.buckets import FakeBucket
 from tests import models
 
@@ -44,8 +43,8 @@ def job_reduce_buckets(params: dict, steps: int, dtype: torch.dtype = torch.floa
         result = state.reduce(FakeBucket(grad.clone(), 0, True, [p for _, p in named])).wait()
         results.append(result)
         deviations.append(((result.double() - exact).abs().max() / exact.abs().max()).item())
-        comp: PowerSGDCompressor = state.method.compressor
-        errors.append(max((e.abs().max().item() for e in comp._errors.values()), default=0.0))
+        held = state.method.state_dict()["compressor"]["errors"]
+        errors.append(max((e.abs().max().item() for e in held.values()), default=0.0))
     return {"deviations": deviations, "errors": errors, "results": torch.stack(results),
             "bytes_sent": state.stats["bytes_sent"], "numel": sum(p.numel() for p in model.parameters())}
 
@@ -121,7 +120,7 @@ def low_rank_gradient(seed: int = 3) -> tuple[nn.Module, torch.Tensor, torch.Ten
 def job_fixed_gradient(params: dict, steps: int, nan_at: int = -1) -> dict:
     """The same bucket (``low_rank_gradient``) every step through the hook's path; a NaN in it at ``nan_at``.
 
-    Returns the results and, after each step, the weight's error buffer and warm-start Q (None when absent).
+    Returns the results and, after each step, the weight's error (n x m) and warm-start Q (empty when absent).
     """
     model, bucket, _ = low_rank_gradient()
     state = gcomp.HookState(gcomp.create("powersgd", **params), models.ddp(model), None)
@@ -133,8 +132,8 @@ def job_fixed_gradient(params: dict, steps: int, nan_at: int = -1) -> dict:
         if step == nan_at:
             grad[20] = float("nan")
         results.append(state.reduce(FakeBucket(grad, 0, True, params_in_bucket)).wait().clone())
-        comp: PowerSGDCompressor = state.method.compressor
-        errors.append(comp._errors.get("0.weight", torch.zeros(0)).clone())
-        queries.append(comp._queries.get("0.weight", torch.zeros(0)).clone())
+        held = state.method.state_dict()["compressor"]
+        errors.append(held["errors"]["0.weight"].view(12, 16) if "errors" in held else torch.zeros(0))
+        queries.append(held["queries"].get("0.weight", torch.zeros(0)).clone())
     return {"results": torch.stack(results), "errors": errors, "queries": queries,
             "state": state.method.compressor.state_dict()}

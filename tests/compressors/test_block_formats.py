@@ -1,6 +1,7 @@
-"""``gcomp.compressors.block_formats`` against the formats' definitions, block by block in plain Python
+"""``gcomp.compressors.blockfloat.formats`` against the formats' definitions, block by block in plain Python
 (``minifloat_reference`` for the elements): scale selection (fp32 amax / max, OCP MX's E8M0, NVFP4's two levels),
-the codes, the decode, the packed FP6/FP4 bytes, the exact wire size, NaN and infinity, stochastic rounding."""
+the codes, the decode (and the encode's own), the packed FP6/FP4 bytes, the exact wire size, NaN and infinity,
+stochastic rounding, rows encoded together as each alone."""
 from __future__ import annotations
 
 import math
@@ -10,9 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gcomp.compressors import minifloat
-from gcomp.compressors.block_formats import NAMES, block_format, e4m3_value
-from gcomp.compressors.block_wire import pack, unpack
+from gcomp.compressors.blockfloat import minifloat
+from gcomp.compressors.blockfloat.formats import NAMES, block_format, pack, unpack
 from tests.compressors.minifloat_reference import REFERENCES, fp32
 
 ELEMENT = {"fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2", "mxfp8_e4m3": "e4m3", "mxfp8_e5m2": "e5m2",
@@ -77,11 +77,21 @@ def _same(got: list[float], want: list[float]) -> bool:
                for a, b in zip(got, want, strict=True))
 
 
+def _encode(fmt, x: torch.Tensor, *args) -> list[torch.Tensor]:
+    """``x`` encoded as one row, its tensors flat."""
+    return [t.view(-1) for t in fmt.encode(x.view(1, -1), *args)[0]]
+
+
+def _decode(fmt, tensors: list[torch.Tensor], n: int) -> torch.Tensor:
+    return fmt.decode([t.view(1, -1) for t in tensors], n).view(-1)
+
+
 def _check(name: str, x: list[float], block: int = 128) -> list[torch.Tensor]:
     fmt = block_format(name, block if name.startswith("fp8") else None)
-    tensors = fmt.encode(torch.tensor(x, dtype=torch.float32))
+    wire, own = fmt.encode(torch.tensor(x, dtype=torch.float32).view(1, -1), decoded=True)
+    tensors = [t.view(-1) for t in wire]
     codes, scales, decoded = reference(name, [fp32(v) for v in x], block)
-    got = unpack(tensors[0], fmt.element_bits, len(x)).tolist()
+    got = unpack(wire[0], fmt.element_bits, len(x)).view(-1).tolist()
     assert [g for g, c in zip(got, codes) if c is not None] == [c for c in codes if c is not None]
     if name.startswith("fp8"):
         assert _same(tensors[1].tolist(), scales)
@@ -89,7 +99,8 @@ def _check(name: str, x: list[float], block: int = 128) -> list[torch.Tensor]:
         assert tensors[1].tolist() == scales
     else:
         assert tensors[1].tolist() == scales[0] and tensors[2].tolist() == [scales[1]]
-    assert _same(fmt.decode(tensors, len(x)).tolist(), decoded)
+    assert _same(fmt.decode(wire, len(x)).view(-1).tolist(), decoded)
+    assert _same(own.view(-1).tolist(), decoded)  # the encode's own decode, which error feedback reads
     assert sum(t.numel() * t.element_size() for t in tensors) == fmt.wire_bytes(len(x))
     return tensors
 
@@ -113,7 +124,7 @@ def test_nan_and_infinity_blocks_decode_to_nan_and_no_further(name):
     x = [float(i % 7) - 3 for i in range(4 * size)]
     x[1], x[2 * size + 3] = math.nan, -math.inf
     tensors = _check(name, x)
-    y = block_format(name).decode(tensors, len(x))
+    y = _decode(block_format(name), tensors, len(x))
     assert y.view(4, size).isnan().all(1).tolist() == [True, False, True, False]
     if name.startswith("mx"):
         assert tensors[1].tolist() == [0xFF, tensors[1][1].item(), 0xFF, tensors[1][3].item()]
@@ -129,22 +140,22 @@ def test_e8m0_scale_selection(element, amax, code):
     x = [0.0] * 32
     x[5] = amax
     fmt = block_format(element)
-    tensors = fmt.encode(torch.tensor(x))
+    tensors = _encode(fmt, torch.tensor(x))
     assert tensors[1].tolist() == [code]
     _check(element, x)
     if amax == fp32(3.9999998):
-        assert fmt.decode(tensors, 32)[5].item() == 3.0  # 7.9999996 saturates to 6, times 1/2
+        assert _decode(fmt, tensors, 32)[5].item() == 3.0  # 7.9999996 saturates to 6, times 1/2
     if amax == 0:
-        assert not fmt.decode(tensors, 32).any()
+        assert not _decode(fmt, tensors, 32).any()
 
 
 def test_a_zero_fp8_block_has_scale_zero_and_decodes_to_zeros():
     x = torch.zeros(256)
     x[200] = -3.0
     fmt = block_format("fp8_e4m3")
-    tensors = fmt.encode(x)
+    tensors = _encode(fmt, x)
     assert tensors[1].tolist() == [0.0, fp32(3.0 / 448)]
-    assert torch.equal(fmt.decode(tensors, 256), x)  # 448 * (3 / 448) is 3 again
+    assert torch.equal(_decode(fmt, tensors, 256), x)  # 448 * (3 / 448) is 3 again
 
 
 def test_nvfp4_two_level_scale():
@@ -155,9 +166,10 @@ def test_nvfp4_two_level_scale():
     tensors = _check("nvfp4", x.tolist())
     assert tensors[2].tolist() == [1.0]
     assert tensors[1].tolist()[:4] == [0x7E, 0x20, 0, 0]  # 448 = S.1111.110, 0.125 = S.0100.000
-    y = block_format("nvfp4").decode(tensors, 64)
+    nvfp4 = block_format("nvfp4")
+    y = _decode(nvfp4, tensors, 64)
     assert y[0].item() == -2688.0 and torch.equal(y[16:32], x[16:32]) and not y[32:].any()
-    assert not block_format("nvfp4").decode(block_format("nvfp4").encode(torch.zeros(32)), 32).any()
+    assert not _decode(nvfp4, _encode(nvfp4, torch.zeros(32)), 32).any()
 
 
 @settings(max_examples=30, deadline=None)
@@ -166,12 +178,13 @@ def test_nvfp4_two_level_scale():
 def test_packed_codes_round_trip_in_the_documented_layout(codes, bits):
     codes = [c & ((1 << bits) - 1) for c in codes]
     n = len(codes)
-    packed = pack(torch.tensor(codes, dtype=torch.uint8), bits, torch.empty(n * bits // 8, dtype=torch.uint8), n)
-    raw = packed.tolist()
+    packed = pack(torch.tensor(codes, dtype=torch.uint8).view(1, n), bits)
+    assert packed.shape == (1, n * bits // 8)
+    raw = packed.view(-1).tolist()
     low = [(raw[i // 2] >> 4 * (i % 2)) & 15 for i in range(n)]
     high = [(raw[n // 2 + i // 4] >> 2 * (i % 4)) & 3 for i in range(n)] if bits == 6 else [0] * n
     assert [lo | hi << 4 for lo, hi in zip(low, high)] == codes
-    assert unpack(packed, bits, n).tolist() == codes
+    assert unpack(packed, bits, n).view(-1).tolist() == codes
 
 
 @pytest.mark.parametrize("name, bits, n, size", [
@@ -182,8 +195,9 @@ def test_packed_codes_round_trip_in_the_documented_layout(codes, bits):
 def test_wire_bytes(name, bits, n, size):
     fmt = block_format(name)
     assert fmt.bits_per_entry == bits and fmt.wire_bytes(n) == size
-    tensors = fmt.encode(torch.randn(n))
-    assert all(t.dim() == 1 for t in tensors) and sum(t.numel() * t.element_size() for t in tensors) == size
+    tensors, _ = fmt.encode(torch.randn(3, n))
+    assert all(t.dim() == 2 and t.shape[0] == 3 for t in tensors)
+    assert sum(t.numel() * t.element_size() for t in tensors) == 3 * size
 
 
 def test_stochastic_block_rounding_is_unbiased_and_picks_neighbours():
@@ -192,7 +206,7 @@ def test_stochastic_block_rounding_is_unbiased_and_picks_neighbours():
     x = torch.full((1000, 32), 1.3)
     x[:, 0] = 6.0
     fmt = block_format("mxfp4")
-    y = fmt.decode(fmt.encode(x.view(-1), "stochastic", torch.Generator().manual_seed(5)), x.numel()).view(1000, 32)
+    y = fmt.decode(fmt.encode(x, "stochastic", torch.Generator().manual_seed(5))[0], 32)
     drawn = y[:, 1:].double()
     assert set(drawn.unique().tolist()) == {1.0, 1.5}
     n, p = drawn.numel(), fp32(1.3) / 0.5 - 2
@@ -200,20 +214,27 @@ def test_stochastic_block_rounding_is_unbiased_and_picks_neighbours():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_slabs_of_whole_blocks_encode_as_the_whole(name, monkeypatch):
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_rows_encode_together_as_each_alone(name, rounding):
+    """Rows of chunks at once (a block's scale, NVFP4's global scale per row, the packing): to nearest, each row as
+    if encoded alone; either way, the encode's own decode is the decode of its wire."""
     fmt = block_format(name)
-    x = torch.randn(fmt.block * 13, generator=torch.Generator().manual_seed(2)) * 10
-    whole = fmt.encode(x)
-    monkeypatch.setattr(minifloat, "SLAB", 3 * fmt.block)
-    slabs = fmt.encode(x)
-    assert all(torch.equal(a, b) for a, b in zip(whole, slabs))
-    assert torch.equal(fmt.decode(slabs, x.numel()), fmt.decode(whole, x.numel()))
+    x = torch.randn(4, fmt.block * 5, generator=torch.Generator().manual_seed(2))
+    x *= torch.tensor([[1e-3], [1.0], [1e3], [0.0]])
+    x[1, 7] = float("nan")
+    together, decoded = fmt.encode(x, rounding, torch.Generator().manual_seed(4), decoded=True)
+    assert torch.equal(fmt.decode(together, x.shape[1]).nan_to_num(), decoded.nan_to_num())
+    assert decoded[1].isnan().any() and not decoded[[0, 2]].isnan().any() and not decoded[3].any()
+    for r in range(4 if rounding == "nearest" else 0):
+        alone, own = fmt.encode(x[r:r + 1], decoded=True)
+        assert all(torch.equal(a[0].view(torch.uint8), t[r].view(torch.uint8)) for a, t in zip(alone, together))
+        assert torch.equal(own[0].nan_to_num(), decoded[r].nan_to_num())
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_an_empty_tensor_has_only_its_fixed_scales(name):
     fmt = block_format(name)
-    tensors = fmt.encode(torch.empty(0))
+    tensors, _ = fmt.encode(torch.empty(1, 0))
     assert sum(t.numel() * t.element_size() for t in tensors) == fmt.wire_bytes(0) == (4 if name == "nvfp4" else 0)
     assert fmt.decode(tensors, 0).numel() == 0
 
@@ -224,34 +245,19 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="32"):
         block_format("mxfp4", block=64)
     with pytest.raises(ValueError, match="multiple"):
-        block_format("mxfp4").encode(torch.ones(33))
+        block_format("mxfp4").encode(torch.ones(1, 33))
     with pytest.raises(ValueError, match="multiple"):
         block_format("nvfp4").wire_bytes(8)
     with pytest.raises(ValueError, match="block"):
         block_format("fp8_e4m3", block=6)
     with pytest.raises(ValueError, match="rounding"):
-        block_format("fp8_e5m2").encode(torch.ones(128), rounding="up")
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_decode_with_a_minuend_is_the_difference_with_non_finite_zeroed(name, monkeypatch):
-    fmt = block_format(name)
-    monkeypatch.setattr(minifloat, "SLAB", fmt.block)  # decode slabs of 4 blocks, the minuend ending inside one
-    x = torch.randn(fmt.block * 13, generator=torch.Generator().manual_seed(3)) * 10
-    x[5], x[fmt.block * 7 + 1] = float("nan"), float("inf")
-    wire = fmt.encode(x)
-    m = x.numel() - fmt.block * 4 - 3
-    minuend = x[:m] * 1.5
-    expected = torch.nan_to_num(minuend - fmt.decode(wire, x.numel())[:m], nan=0.0, posinf=0.0, neginf=0.0)
-    got = fmt.decode(wire, x.numel(), minuend=minuend)
-    assert got.numel() == m and torch.equal(got, expected)
-    assert not (minuend - fmt.decode(wire, x.numel())[:m]).isfinite().all()  # there was something to zero
-    with pytest.raises(ValueError, match="minuend"):
-        fmt.decode(wire, x.numel(), minuend=torch.zeros(x.numel() + fmt.block))
+        block_format("fp8_e5m2").encode(torch.ones(1, 128), rounding="up")
+    with pytest.raises(ValueError, match="rows"):
+        block_format("fp8_e5m2").encode(torch.ones(128))
 
 
 def test_e4m3_scale_values_are_torchs_float8_cast():
     codes = torch.arange(256, dtype=torch.uint8)
-    got, cast = e4m3_value(codes), codes.view(torch.float8_e4m3fn).float()
+    got, cast = minifloat.decode(codes, "e4m3"), codes.view(torch.float8_e4m3fn).float()
     assert torch.equal(got.isnan(), cast.isnan()) and got.isnan().sum() == 2
     assert torch.equal(got.nan_to_num(), cast.nan_to_num()) and torch.equal(got.signbit(), cast.signbit())

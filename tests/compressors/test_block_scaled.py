@@ -1,5 +1,6 @@
 """fp8 and mx: the two-phase reduction against the same two phases by hand, bytes, error feedback (conserved in
-float64 over ranks and a re-layout), the stochastic stream's checkpoint, bad parameters."""
+float64 over ranks and a re-layout, handed back once), the stochastic stream's checkpoint, gcomp 0.1's checkpoints,
+FSDP2's rows (phase one alone), bad parameters."""
 from __future__ import annotations
 
 import io
@@ -24,10 +25,14 @@ def test_result_is_the_two_phases_by_hand_and_bytes_follow_the_formula(world):
             assert torch.equal(r["results"], r["reference"]), f"{spec} on {world} ranks: rank {rank} differs"
             assert torch.equal(r["results"], ranks[0]["results"])
             # the pipeline counts the payload (N chunks), the all-gather one more: (N + 1) encoded chunks a step
-            assert r["stats"]["bytes_sent"] == 3 * (world + 1) * r["wire_bytes"], spec
+            assert r["stats"]["bytes_sent"] == 3 * (world + 1) * r["wire_bytes"] == 3 * r["declared"], spec
             # each phase sends N - 1 messages of one chunk, as a ring all-gather of it: counted as one
             assert r["stats"]["allgather_bytes"] == 3 * 2 * r["wire_bytes"]
             assert r["stats"]["rounds"] == 3 * 2
+            if "error_feedback=false" in spec:
+                assert r["held"] is None
+            else:  # the residual and the owner error (where this rank owns entries), handed back once
+                assert r["held"].abs().sum() > 0 and not r["again"].any()
 
 
 def test_error_feedback_changes_the_result():
@@ -65,14 +70,12 @@ def test_gloo_all_to_all_moves_uint8_and_float32_rows():
 
 
 def _steps(method, steps, start=0):
+    """What a one-rank payload of each step carries (its own decode)."""
     out = []
     for step in range(start, start + steps):
         x = jobs._grad(step, 0, 500)
-        bucket = gcomp.BucketInfo.single(x)
-        v = method.memory.compensate(x, bucket)
-        payload = method.compressor.compress(v, bucket)
-        method.memory.update(v, bucket, method.compressor, payload)
-        out.append(method.compressor.decompress(payload.tensors, payload.ctx))
+        payload, _ = method.compressor.encode(x, {"owner_error": torch.zeros_like(x)}, gcomp.BucketInfo.single(x))
+        out.append(method.compressor.decode(method._own(payload.tensors), payload.ctx))
     return out
 
 
@@ -91,16 +94,83 @@ def test_stochastic_rounding_stream_round_trips_through_state_dict():
         "fp8", rounding="stochastic"), 2, 0)))
 
 
-def test_owner_error_is_flushed_once():
-    method = gcomp.create("fp8")
+def test_the_second_phase_fills_the_owner_error_slot():
+    """Two ranks' chunks received by the owner of the whole bucket: the slot the encode handed back gets the sum
+    less its re-encoding, the sum's own chunk plus the old error; nothing outside the chunk."""
+    compressor = gcomp.create("fp8").compressor
     x = jobs._grad(0, 0, 300)
     bucket = gcomp.BucketInfo.single(x)
-    one, other = (method.compressor.compress(v, bucket) for v in (x, 0.37 * x.flip(0)))
+    old = torch.full_like(x, 1e-3)
+    one, state = compressor.encode(x, {"owner_error": old.clone()}, bucket)
+    other, _ = compressor.encode(0.37 * x.flip(0), {"owner_error": torch.zeros_like(x)}, bucket)
     received = [torch.cat(pair) for pair in zip(one.tensors, other.tensors)]  # two ranks' chunks, as received
-    method.compressor.second_phase(received, one.ctx)  # this rank owns the whole bucket
-    held = method.compressor.flush(bucket, x)
-    assert held is not None and held.abs().sum() > 0
-    assert method.compressor.flush(bucket, x).abs().sum() == 0
+    mine = compressor.second_phase(received, one.ctx)
+    fmt, width = compressor.fmt, compressor.width(300, 1)
+    total = fmt.decode(received, width).sum(0)[:300] + old
+    sent = fmt.decode(mine, width).view(-1)[:300]
+    assert torch.equal(state["owner_error"], total - sent) and state["owner_error"].abs().sum() > 0
+
+
+def test_owner_error_outside_the_chunk_goes_out_with_the_first_phase():
+    """After a re-layout this rank's chunk moved: the error held outside it is sent now (the memory's residual keeps
+    what rounding loses of it), the slot keeps only its own chunk, and the payload's own decode leaves it out."""
+    compressor = gcomp.create("mx", format="mxfp4").compressor
+    compressor.world, compressor.rank = 2, 1
+    x = jobs._grad(0, 0, 640)
+    held = jobs._grad(1, 0, 640) * 0.1
+    payload, state = compressor.encode(x, {"owner_error": held.clone()}, gcomp.BucketInfo.single(x))
+    kept = state["owner_error"]
+    assert not kept[:320].any() and torch.equal(kept[320:], held[320:])
+    stray = torch.cat([held[:320], torch.zeros(320)])
+    sent = compressor.fmt.decode(payload.tensors, 320).view(-1)
+    assert torch.equal(payload.residual, x + stray - sent)
+    assert torch.equal(compressor.decode([t.unsqueeze(0) for t in payload.tensors], payload.ctx), sent - stray)
+
+
+def test_checkpoints_of_gcomp_0_1_load():
+    """The owner error under ``"owner"`` (gcomp 0.1) loads into the slot, checks and merges as today's."""
+    method = gcomp.create("fp8")
+    error = {"w": torch.randn(300)}
+    old = {"memory": {"residuals": {"w": torch.randn(300)}},
+           "compressor": {"stream": {"seed": 0, "draws": 7}, "owner": {"owner_error": error}}}
+    assert method.parameter_state(old)["owner_error"] is error
+    merged = method.merge_states([old, old], [old, old], 0)
+    assert torch.equal(merged["compressor"]["owner_error"]["w"], 2 * error["w"])
+    method.load_state_dict(old)
+    state = method.state_dict()["compressor"]
+    assert state["stream"]["draws"] == 7 and torch.equal(state["owner_error"]["w"], error["w"])
+    x = torch.zeros(300)
+    held = method.flush(gcomp.BucketInfo.single(x, "w"), x)  # the residual and the owner error
+    assert torch.equal(held, old["memory"]["residuals"]["w"] + error["w"])
+    with pytest.raises(ValueError, match="owner_error"):
+        method.load_state_dict({"memory": old["memory"], "compressor": {"stream": {"seed": 0, "draws": 0}}})
+
+
+@pytest.mark.parametrize("spec", ["fp8", "mx:format=mxfp6_e3m2", "mx:format=nvfp4,rounding=stochastic"])
+def test_fsdp_rows_are_phase_one_alone(spec):
+    """FSDP2's rows (two ranks simulated): each row padded to the block and encoded on its own, rank r's shard the
+    sum of the rows it received, decoded; the residual what a rank's rows did not carry; the slot untouched."""
+    from gcomp.sharding import ShardLayout
+    name, params = gcomp.registry.parse_spec(spec)
+    compressor = gcomp.create(name, **params).compressor
+    sizes = (torch.Size([10, 7]), torch.Size([5]))
+    layouts = [ShardLayout(0, ("a", "b"), sizes, 2, r, torch.float32) for r in range(2)]
+    inputs = [jobs._grad(0, r, layouts[0].numel) for r in range(2)]
+    payloads = []
+    for layout, x in zip(layouts, inputs):
+        state = {"owner_error": torch.zeros_like(x)}
+        payload, kept = compressor.encode(x, state, layout)
+        assert payload.rows and kept is state and all(t.shape[0] == 2 for t in payload.tensors)
+        own = compressor.decode([t.unsqueeze(0) for t in payload.tensors], payload.ctx)
+        assert torch.equal(payload.residual, x - own)
+        payloads.append(payload)
+    width = compressor.width(layouts[0].shard_numel, 1)
+    assert payloads[0].nbytes == 2 * compressor.fmt.wire_bytes(width)
+    for r in range(2):
+        received = [torch.stack([p.tensors[i][r] for p in payloads]) for i in range(len(payloads[0].tensors))]
+        rows = [compressor.fmt.decode([t[s:s + 1] for t in received], width)[0] for s in range(2)]
+        expected = (rows[0] + rows[1])[:layouts[0].shard_numel]
+        assert torch.equal(compressor.decode(received, payloads[r].ctx), expected)
 
 
 @pytest.mark.parametrize("name, params, words", [
@@ -130,32 +200,20 @@ def test_device_path_is_bucket_wide_without_host_syncs():
 
 @pytest.mark.parametrize("spec", ["fp8", "mx:format=mxfp6_e3m2", "mx:format=nvfp4,rounding=stochastic"])
 @pytest.mark.parametrize("world, numel", [(1, 640), (3, 1000), (4, 4096)])
-def test_residual_is_the_fused_decode_of_the_payload(spec, world, numel):
-    """``residual_into`` (decode and subtraction fused slab by slab) == the memory's decompress-and-subtract."""
+def test_residual_is_the_payloads_own_decode_subtracted(spec, world, numel):
+    """``payload.residual`` (from the encode's own decode) == the bucket less the payload decoded alone, a
+    non-finite block's entries included (the memory drops them)."""
     name, params = gcomp.registry.parse_spec(spec)
-    compressor = gcomp.create(name, **params).compressor
+    method = gcomp.create(name, **params)
+    compressor = method.compressor
     compressor.world = world
     x = jobs._grad(0, 0, numel)
     x[7] = float("inf")
-    bucket = gcomp.BucketInfo.single(x)
-    payload = compressor.compress(x, bucket)
-    out = torch.full_like(x, 123.0)
-    assert compressor.residual_into(out, x, payload)
-    expected = torch.nan_to_num(x - compressor.decompress(payload.tensors, payload.ctx), nan=0.0, posinf=0.0,
-                                neginf=0.0)
-    assert torch.equal(out, expected) and out[7] == 0
-    assert not compressor.residual_into(out.double(), x.double(), compressor.compress(x.double(), bucket))
-
-
-def test_codes_are_written_into_a_kept_buffer_unless_a_payload_still_holds_it():
-    method = gcomp.create("mx", format="mxfp4")
-    x = jobs._grad(0, 0, 640)
-    bucket = gcomp.BucketInfo.single(x)
-    first = method.compressor.compress(x, bucket)
-    held = first.tensors[0].untyped_storage().data_ptr()
-    second = method.compressor.compress(x, bucket)  # the first payload is alive: a buffer of its own
-    assert second.tensors[0].untyped_storage().data_ptr() != held
-    assert all(torch.equal(a, b) for a, b in zip(first.tensors, second.tensors))
-    del first, second
-    again = method.compressor.compress(x, bucket)
-    assert again.tensors[0].untyped_storage().data_ptr() == held  # kept: no fresh pages
+    payload, _ = compressor.encode(x, {"owner_error": torch.zeros_like(x)}, gcomp.BucketInfo.single(x))
+    expected = x - compressor.decode(method._own(payload.tensors), payload.ctx)
+    assert torch.equal(payload.residual.nan_to_num(), expected.nan_to_num()) and payload.residual[7].isnan()
+    double = x.double()
+    payload, _ = compressor.encode(double, {"owner_error": torch.zeros_like(double)}, gcomp.BucketInfo.single(double))
+    assert payload.residual.dtype == torch.float64
+    expected = double - compressor.decode(method._own(payload.tensors), payload.ctx)
+    assert torch.equal(payload.residual.nan_to_num(), expected.nan_to_num())

@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 
 import gcomp
-from gcomp.collectives import counting
 from gcomp.bench.methods import parse_method
-from gcomp.collectives import AllreduceCommunicator
-from gcomp.compressors.identity import IdentityCompressor
+from gcomp.collectives import AllreduceCommunicator, launch
+from gcomp.compressors.cast import CastCompressor
 from gcomp.testing.buckets import FakeBucket
 from tests.distributed import run_ranks
 from tests.models import ddp, flat_params, mlp, train
@@ -84,8 +83,8 @@ def test_leaders_count_the_inner_payload_and_the_dense_bucket_in_its_own_dtype()
 
 
 class _Clock:
-    """Stands in for the ``time`` module of ``gcomp.core``: it moves only when the codec below says so, so the
-    hook's encode and decode timers count the codec's calls exactly."""
+    """Stands in for the ``time`` module of ``gcomp.collectives.launch``: it moves only when the codec below says
+    so, so the hook's encode and decode timers count the codec's calls exactly."""
 
     now = 0.0
 
@@ -94,14 +93,14 @@ class _Clock:
         return cls.now
 
 
-class _TickingIdentity(IdentityCompressor):
-    def compress(self, tensor, bucket):
+class _TickingIdentity(CastCompressor):
+    def encode(self, x, state, layout):
         _Clock.now += 1.0
-        return super().compress(tensor, bucket)
+        return super().encode(x, state, layout)
 
-    def decompress(self, tensors, ctx):
+    def decode(self, received, ctx):
         _Clock.now += 10.0
-        return super().decompress(tensors, ctx)
+        return super().decode(received, ctx)
 
 
 def timed_inner_job(steps: int = 3) -> dict:
@@ -111,17 +110,17 @@ def timed_inner_job(steps: int = 3) -> dict:
     state = gcomp.HookState(method)  # no model: the fake bucket's parameter is its own
     state.warmup = 0
     param = torch.nn.Parameter(torch.zeros(100))
-    real_time, counting.time = counting.time, _Clock
+    real_time, launch.time = launch.time, _Clock
     try:
         for step in range(steps):
             state.reduce(FakeBucket(torch.full((100,), float(rank + step)), 0, True, [param])).wait()
     finally:
-        counting.time = real_time
+        launch.time = real_time
     return dict(state.stats)
 
 
 def test_the_inner_method_runs_through_the_hook_pipeline_and_its_timers():
-    """On leaders the inner method's compress and decode count in ``encode_s`` and ``decode_s`` (one tick and
+    """On leaders the inner method's encode and decode count in ``encode_s`` and ``decode_s`` (one tick and
     ten ticks of a clock that moves only inside the inner codec); followers run no inner codec."""
     for rank, stats in enumerate(run_ranks(4, timed_inner_job)):
         leader = rank % 2 == 0
@@ -161,8 +160,8 @@ def test_an_inner_method_object_is_created_again_from_its_name_and_parameters():
 
 
 def test_a_method_object_not_made_by_create_is_refused():
-    topk = gcomp.create("topk")
-    custom = gcomp.Method(topk.compressor, topk.memory, topk.communicator)
+    identity = gcomp.create("identity")
+    custom = gcomp.Method(identity.compressor, identity.memory, identity.communicator)
     with pytest.raises(ValueError, match="'inner' takes a Method made by gcomp.create.*'custom'"):
         gcomp.create("hierarchical", inner=custom)
 

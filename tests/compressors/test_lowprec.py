@@ -123,4 +123,4 @@ def test_the_cast_is_a_pure_pair_that_keeps_no_state(name, dtype):
     assert out.dtype == torch.float32 and torch.equal(out, (wire * 2).float())
     half = torch.ones(8, dtype=dtype)
     assert compressor.encode(half, {}, gcomp.BucketInfo.single(half))[0].tensors[0] is half
-    assert compressor.traits.wire_bytes(1000, 4) == 2000 and not compressor.traits.lossless
+    assert compressor.traits.wire_bytes(info, 4) == 2000 and not compressor.traits.lossless

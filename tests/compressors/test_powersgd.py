@@ -1,14 +1,18 @@
 """``powersgd``: which parameters are compressed and what goes on the wire, full rank equal to the exact mean
-(docs/algorithms.md §6), error feedback (conservation, telescoping sum, full rank leaves no error), warm start converging to
-the best rank-r approximation, recovery after a non-finite step, side by side with PyTorch's ``powerSGD_hook``
-(bytes per step, loss curve), many buckets, and a 4-rank convergence smoke test."""
+(docs/algorithms.md §6), error feedback (conservation, telescoping sum, full rank leaves no error), warm start
+converging to the best rank-r approximation, recovery after a non-finite step, checkpoints (gcomp 0.1's too), side by
+side with PyTorch's ``powerSGD_hook`` (bytes per step, loss curve), many buckets, a 4-rank convergence smoke test,
+and a number of operations that grows with the number of distinct matrix shapes at most."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+import gcomp
 from gcomp import BucketInfo
-from gcomp.compressors.powersgd import PowerSGDCompressor, orthogonalise
+from gcomp.compressors.lowrank import PowerSGDCompressor, orthogonalise
+from gcomp.testing.ops import counting
 from tests.compressors import powersgd_jobs as jobs
 from tests.distributed import run_ranks
 from tests.models import SEVERAL_BUCKETS_MB
@@ -23,9 +27,9 @@ def test_bare_bucket_is_sent_dense_and_exactly(dtype):
     """Without a model the codec cannot know shapes: every segment goes dense, in one tensor, exactly."""
     x = (torch.randn(300, dtype=torch.float64) * 100).to(dtype)
     comp = PowerSGDCompressor()
-    payload = comp.compress(x, BucketInfo.single(x))
-    assert len(payload.tensors) == 1 and payload.tensors[0].numel() == 300
-    out = comp.decompress(payload.tensors, payload.ctx)
+    payload, state = comp.encode(x, {"errors": torch.zeros_like(x)}, BucketInfo.single(x))
+    assert len(payload.tensors) == 1 and payload.tensors[0].numel() == 300 and not state["errors"].any()
+    out = comp.decode(payload.tensors, payload.ctx)
     assert out.dtype == dtype and torch.equal(out, x)
 
 
@@ -38,7 +42,7 @@ def test_only_matrices_above_the_compression_rate_are_compressed(rank):
     info = BucketInfo.from_layout(0, torch.float32, [n for n, _ in named], [p.numel() for _, p in named])
     comp = PowerSGDCompressor(rank=rank)
     comp.bind(model, None, {})
-    payload = comp.compress(torch.randn(info.numel), info)
+    payload, _ = comp.encode(torch.randn(info.numel), {"errors": torch.zeros(info.numel)}, info)
     compressed, dense = {}, 0
     for name, p in named:
         n, m = p.shape[0], p.numel() // p.shape[0]
@@ -47,7 +51,7 @@ def test_only_matrices_above_the_compression_rate_are_compressed(rank):
             compressed[name] = (n, m, r)
         else:
             dense += p.numel()
-    assert {mat.name: (mat.n, mat.m, mat.r) for mat in payload.ctx.plan.matrices} == compressed
+    assert {name: (g.n, g.m, g.r) for g in payload.ctx.plan.groups for name in g.names} == compressed
     if rank <= 2:
         assert "0.weight" in compressed  # the conv weight, 8 x 27
     p_numel = sum(n * r for n, _, r in compressed.values())
@@ -152,15 +156,40 @@ def test_a_non_finite_step_surfaces_then_training_recovers():
 
 
 def test_state_dict_round_trip():
-    comp = PowerSGDCompressor(rank=2)
-    comp._queries["w"], comp._errors["w"] = torch.randn(5, 2), torch.randn(3, 5)
-    comp.generator.manual_seed(7)
-    other = PowerSGDCompressor(rank=2)
-    other.load_state_dict(comp.state_dict())
-    assert torch.equal(other._queries["w"], comp._queries["w"]) and torch.equal(other._errors["w"], comp._errors["w"])
-    assert torch.equal(other.generator.get_state(), comp.generator.get_state())
+    method = gcomp.create("powersgd", rank=2)
+    method.compressor._queries["w"] = torch.randn(5, 2)
+    method.compressor.stream.draws = 7
+    errors = {"w": torch.randn(15)}
+    method.load_state_dict({"memory": {}, "compressor": {**method.compressor.state_dict(), "errors": errors}})
+    state = method.state_dict()["compressor"]
+    assert state.keys() == {"generator", "queries", "errors"} and state["generator"]["draws"] == 7
+    assert torch.equal(state["queries"]["w"], method.compressor._queries["w"]) and torch.equal(state["errors"]["w"],
+                                                                                              errors["w"])
     with pytest.raises(ValueError, match="unexpected"):
-        other.load_state_dict({**comp.state_dict(), "extra": 1})
+        method.compressor.load_state_dict({**method.compressor.state_dict(), "extra": 1})
+
+
+def test_checkpoints_of_gcomp_0_1_load():
+    """gcomp 0.1's state: a CPU generator's state (checked, then the stream starts afresh) and each error as an
+    n x m matrix, which goes into the error slot laid out in the bucket (zero on the dense bias)."""
+    model = nn.Linear(16, 12)
+    method = gcomp.create("powersgd")
+    method.compressor.bind(model, None, {})
+    error = torch.randn(12, 16)
+    old = {"generator": torch.Generator().get_state(), "queries": {"weight": torch.randn(16, 1)},
+           "errors": {"weight": error}}
+    method.load_state_dict({"memory": {}, "compressor": old})
+    assert method.compressor.stream.draws == 0
+    info = BucketInfo.from_layout(0, torch.float32, ["bias", "weight"], [12, 192])
+    held = method.flush(info, torch.zeros(204))
+    assert not held[:12].any() and torch.equal(held[12:], error.view(-1))
+    with pytest.raises(ValueError, match="100 bytes"):
+        method.load_state_dict({"memory": {}, "compressor": {**old, "generator": torch.zeros(100, dtype=torch.uint8)}})
+    with pytest.raises(ValueError, match=r"'queries' of parameter 'weight'.*\(16, 2\).*\(16, 1\)"):
+        method.load_state_dict({"memory": {}, "compressor": {**old, "queries": {"weight": torch.zeros(16, 2)}}})
+    merged = method.merge_states([{"memory": {}, "compressor": old}] * 2, [{"memory": {}, "compressor": old}], 0)
+    assert torch.equal(merged["compressor"]["errors"]["weight"], 2 * error)
+    assert merged["compressor"]["queries"] is old["queries"]
 
 
 # --- side by side with PyTorch's powerSGD_hook ---------------------------------------------------------------
@@ -233,3 +262,68 @@ def test_four_ranks_lower_the_loss():
     assert losses[-5:].mean() < 0.8 * losses[:3].mean(), losses
     for r in ranks[1:]:
         assert torch.equal(r["params"], ranks[0]["params"])
+
+
+# --- two simulated ranks, by hand: the ranks agree, and the operations do not grow with the matrices ------------
+
+def _model(repeat: int = 3, shapes: int = 2) -> nn.Module:
+    """``shapes`` distinct Linear shapes, ``repeat`` layers of each (their weights compressed, their biases dense),
+    then a conv weight of a shape of its own."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(24 + 8 * s, 16 + 4 * s) for s in range(shapes) for _ in range(repeat)]
+    return nn.Sequential(*layers, nn.Conv2d(3, 8, 3))
+
+
+def _setup(model: nn.Module, world: int, **params):
+    named = list(model.named_parameters())[::-1]
+    info = BucketInfo.from_layout(0, torch.float32, [n for n, _ in named], [p.numel() for _, p in named])
+    comps = [PowerSGDCompressor(**params) for _ in range(world)]
+    for c in comps:
+        c.bind(model, None, {})
+    return info, comps, [{"errors": torch.zeros(info.numel)} for _ in range(world)]
+
+
+def _step(comps, info: BucketInfo, states: list[dict], step: int) -> list[torch.Tensor]:
+    """One step of every simulated rank: both SUM rounds computed here; what each rank decoded."""
+    world = len(comps)
+    grads = [torch.randn(info.numel, generator=torch.Generator().manual_seed(100 * step + r)) / world
+             for r in range(world)]
+    payloads = []
+    for r, (c, g) in enumerate(zip(comps, grads)):
+        payload, states[r] = c.encode(g, states[r], info)
+        payloads.append(payload)
+    summed = torch.stack([p.tensors[0] for p in payloads]).sum(0)
+    for c, p in zip(comps, payloads):
+        p.tensors[0] = summed.clone()
+        c.second_round(p)
+    q = torch.stack([p.tensors[1] for p in payloads]).sum(0)
+    return [c.decode([p.tensors[0], q.clone()], p.ctx) for c, p in zip(comps, payloads)]
+
+
+@pytest.mark.parametrize("params", [{}, {"warm_start": False, "rank": 3}])
+def test_simulated_ranks_agree_and_conserve(params):
+    """Fresh queries without warm start (one draw per shape from the shared stream) or warm ones: every rank decodes
+    the same; per step the result plus the ranks' new errors is the sum of the inputs plus the old errors."""
+    info, comps, states = _setup(_model(), 2, **params)
+    for step in range(3):
+        before = sum(s["errors"] for s in states)
+        grads = [torch.randn(info.numel, generator=torch.Generator().manual_seed(100 * step + r)) / 2 for r in range(2)]
+        out = _step(comps, info, states, step)
+        assert torch.equal(out[0], out[1]) and torch.isfinite(out[0]).all()
+        torch.testing.assert_close(out[0] + sum(s["errors"] for s in states), sum(grads) + before, rtol=1e-4,
+                                   atol=1e-5)
+
+
+def _ops(repeat: int, shapes: int) -> int:
+    info, comps, states = _setup(_model(repeat, shapes), 1)
+    _step(comps, info, states, 0)  # plans and first queries are made once
+    with counting() as counter:
+        _step(comps, info, states, 1)
+    assert not counter.syncs
+    return sum(counter.ops.values())
+
+
+def test_operations_grow_with_distinct_shapes_only():
+    """2 matrices of each shape or 24: the same count; one more shape adds a bounded number."""
+    assert _ops(2, 2) == _ops(24, 2)
+    assert _ops(2, 3) == _ops(24, 3) <= _ops(2, 2) + 60

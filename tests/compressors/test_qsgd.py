@@ -1,5 +1,5 @@
-"""``qsgd``: the level fields (hypothesis round trip, every width), unbiasedness (Monte Carlo), non-finite norms, each
-on the CPU and the device path, the device path's draws, and a 4-rank convergence smoke test."""
+"""``qsgd``: the level fields (hypothesis round trip, every width), unbiasedness (Monte Carlo), non-finite norms, the
+draws from the own stream, and a 4-rank convergence smoke test."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +9,9 @@ from hypothesis import strategies as st
 
 import gcomp
 from gcomp.collectives import bitpack
-from gcomp.compressors.qsgd import QSGDCompressor, field_bits
-from gcomp.compressors.quantise import draw_units
-from tests.compressors.quant_paths import PATHS, on_path
-from tests.compressors.test_terngrad import assert_converges, gradient, layout, segment_views
+from gcomp.compressors.quantise import QSGDCompressor, field_bits
+from tests.compressors.test_terngrad import (assert_converges, decode_all, decode_alone, encode, first_draw, gradient,
+                                             layout, segment_views)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -25,23 +24,17 @@ def test_field_bits_is_sign_plus_level_bits():
     assert field_bits(127) == 8 and field_bits(1) == 2 and field_bits(255) == 9
 
 
-@PATHS
 @PROPERTY
 @given(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=4).filter(lambda s: sum(s) > 0),
        levels=st.one_of(st.sampled_from([1, 2, 7, 127, 128, 255, 2**15 - 1]), st.integers(1, 2**15 - 1)),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1), zeros=st.sampled_from([0.0, 0.3, 1.0]),
        world=st.integers(1, 4))
 @example(sizes=[8], levels=1, dtype=torch.float32, seed=0, zeros=0.0, world=1)  # 8 entries: one word's bytes
-def test_levels_round_trip_and_aggregate_is_the_sum_of_decodes(path, sizes, levels, dtype, seed, zeros, world):
-    with on_path(path):
-        _round_trip(sizes, levels, dtype, seed, zeros, world)
-
-
-def _round_trip(sizes, levels, dtype, seed, zeros, world):
+def test_levels_round_trip_and_the_gathered_decode_is_the_sum_of_decodes(sizes, levels, dtype, seed, zeros, world):
     info = layout(sizes, dtype)
     comps = [QSGDCompressor(levels, seed=r) for r in range(world)]
     xs = [gradient(sizes, dtype, seed + r, zeros) for r in range(world)]
-    payloads = [c.compress(x, info) for c, x in zip(comps, xs)]
+    payloads = [encode(c, x, info) for c, x in zip(comps, xs)]
     n, bits = sum(sizes), field_bits(levels)
     for x, p in zip(xs, payloads):
         norms, words = p.tensors
@@ -49,7 +42,7 @@ def _round_trip(sizes, levels, dtype, seed, zeros, world):
         assert p.nbytes == 4 * len(sizes) + 8 * bitpack.packed_words(n, bits)
         fields = bitpack.unpack(words, n, bits)
         assert int(fields.min()) >= 0 and int(fields.max()) <= 2 * levels
-        decoded = comps[0].decompress(p.tensors, p.ctx)
+        decoded = decode_alone(comps[0], p)
         assert decoded.shape == x.shape and decoded.dtype == dtype
         for j, (xj, fj, dj) in enumerate(zip(segment_views(x, sizes), segment_views(fields, sizes),
                                              segment_views(decoded, sizes))):
@@ -64,16 +57,15 @@ def _round_trip(sizes, levels, dtype, seed, zeros, world):
             assert ((signed.abs().double() - exact).abs() < 1 + 1e-5).all()
             unit = (norms[j:j + 1].to(torch.promote_types(dtype, torch.float32)) / levels)
             assert torch.equal(dj, (signed.to(unit.dtype) * unit).to(dtype))
-    stacked = [torch.stack([p.tensors[j] for p in payloads]) for j in range(2)]
-    total = comps[0].aggregate(stacked, payloads[0].ctx)
-    parts = torch.stack([comps[0].decompress(p.tensors, p.ctx).double() for p in payloads])
+    total = decode_all(comps[0], payloads)
+    parts = torch.stack([decode_alone(comps[0], p).double() for p in payloads])
     eps = torch.finfo(dtype).eps
     assert ((total.double() - parts.sum(0)).abs() <= (world + 1) * eps * parts.abs().sum(0)).all()
+    assert comps[0].traits.wire_bytes(info, world) == payloads[0].nbytes
 
 
-@PATHS
 @pytest.mark.parametrize("levels", [1, 4, 127])
-def test_unbiased(path, levels):
+def test_unbiased(levels):
     """Mean of 3000 draws within 6 standard errors of g, entry by entry: Var = (r / s)^2 p (1 - p), p the
     fractional part of s |g| / r."""
     sizes = [40, 9, 1]
@@ -82,10 +74,8 @@ def test_unbiased(path, levels):
     comp = QSGDCompressor(levels, seed=2)
     trials = 3000
     total = torch.zeros(x.numel(), dtype=torch.float64)
-    with on_path(path):
-        for _ in range(trials):
-            p = comp.compress(x, info)
-            total += comp.decompress(p.tensors, p.ctx).double()
+    for _ in range(trials):
+        total += decode_alone(comp, encode(comp, x, info)).double()
     r = torch.cat([torch.full((n,), float(torch.linalg.vector_norm(v)))
                    for n, v in zip(sizes, segment_views(x, sizes))])
     g = x.double()
@@ -95,18 +85,15 @@ def test_unbiased(path, levels):
     assert ((total / trials - g).abs() <= bound).all()
 
 
-@PATHS
 @pytest.mark.parametrize("levels", [127, 3])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nonfinite_entry_makes_its_parameter_nonfinite(path, levels, bad):
+def test_nonfinite_entry_makes_its_parameter_nonfinite(levels, bad):
     sizes = [10, 6]
     x = gradient(sizes, torch.float32, seed=0)
     x[2] = bad
     comp = QSGDCompressor(levels)
-    with on_path(path):
-        p = comp.compress(x, layout(sizes, torch.float32))
-        other = comp.compress(torch.ones(16), layout(sizes, torch.float32))
-        out = comp.aggregate([torch.stack([a, b]) for a, b in zip(p.tensors, other.tensors)], p.ctx)
+    info = layout(sizes, torch.float32)
+    out = decode_all(comp, [encode(comp, x, info), encode(comp, torch.ones(16), info)])
     assert not out[:10].isfinite().any()
     assert out[10:].isfinite().all()
 
@@ -114,30 +101,24 @@ def test_nonfinite_entry_makes_its_parameter_nonfinite(path, levels, bad):
 def test_default_is_one_byte_per_entry():
     method = gcomp.create("qsgd")
     x = torch.randn(1000)
-    p = method.compressor.compress(x, gcomp.BucketInfo.single(x))
-    assert p.nbytes == 1000 + 4  # 8-bit fields, one fp32 norm
+    assert encode(method.compressor, x, gcomp.BucketInfo.single(x)).nbytes == 1000 + 4  # 8-bit fields, one norm
 
 
 @pytest.mark.parametrize("levels", [127, 3])
-def test_the_device_path_draws_the_cpu_paths_units_from_the_stream_on_the_buckets_device(levels):
-    """The device path rounds ``s g / r`` against the same draws of the same stream (``draw_units``, here a copy of
-    it) in one pass over the bucket: every field is ``floor(s g / r + w) - 1 + s`` for the norms it sent (their
-    sum of squares may round otherwise than ``vector_norm``), and the stream ends where that draw leaves it."""
+def test_the_levels_are_rounded_against_one_uniform_per_entry_from_the_own_stream(levels):
+    """Every field is ``floor(s g / r + u) + s`` for the norms sent and one uniform ``u`` per entry of the stream's
+    first draw; the stream has made one draw."""
     sizes = [300, 0, 41, 1]
     info, x = layout(sizes, torch.float32), gradient(sizes, torch.float32, seed=5, zeros=0.2)
     comp = QSGDCompressor(levels, seed=3)
-    reference = torch.Generator().set_state(comp.random("cpu").get_state())
-    with on_path("device"):
-        p = comp.compress(x, info)
-    norms, words = p.tensors
+    norms, words = encode(comp, x, info).tensors
     exact = torch.cat([torch.full((n,), float(r)) for n, r in zip(sizes, norms)])
     torch.testing.assert_close(exact[:300], torch.full((300,), float(torch.linalg.vector_norm(x[:300]))))
-    words_drawn = comp.work_space(info.key, x.numel(), torch.float32, "cpu").numel()  # the whole draws buffer
-    units = draw_units(torch.empty(words_drawn, dtype=torch.int64), x.numel(), torch.float32, reference)
     factors = torch.where(exact > 0, levels / exact, 0.0)
-    expected = torch.addcmul(units, x, factors).floor_().clamp_(1 - levels, 1 + levels) + levels - 1
+    u = torch.rand(x.numel(), generator=first_draw(3, "qsgd"))
+    expected = (u + x * factors).floor_().clamp_(-levels, levels) + levels
     assert torch.equal(bitpack.unpack(words, x.numel(), field_bits(levels)), expected.long())
-    assert torch.equal(comp.random("cpu").get_state(), reference.get_state())
+    assert comp.stream.draws == 1
 
 
 def test_qsgd_lowers_the_loss_on_four_ranks():

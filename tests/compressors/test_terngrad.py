@@ -1,8 +1,9 @@
-"""``terngrad``: the 2-bit wire (hypothesis), unbiasedness (Monte Carlo), clipping, the shared-scale integer lanes
-(simulated ranks and real gloo ranks, non-finite flag), each on the CPU and the device path, the draws of each
-path, and a 4-rank convergence smoke test.
+"""``terngrad``: the 2-bit wire (hypothesis), unbiasedness (Monte Carlo), the hits' frequencies and independence,
+clipping, the shared-scale integer lanes (simulated ranks and real gloo ranks, non-finite flag), the draws of each
+form, and a 4-rank convergence smoke test.
 
-``converge_job`` / ``assert_converges`` are shared with the qsgd and natural tests.
+``layout``, ``gradient``, ``encode``, ``decode_alone``, ``decode_all`` and ``assert_converges`` are shared with the
+qsgd and natural tests.
 """
 from __future__ import annotations
 
@@ -18,9 +19,8 @@ from torch import nn
 import gcomp
 from gcomp import BucketInfo
 from gcomp.collectives import bitpack
-from gcomp.compressors.quantise import wire_scale
-from gcomp.compressors.terngrad import SharedScaleTernGradCompressor, TernGradCompressor
-from tests.compressors.quant_paths import PATHS, cpu_draws, on_path
+from gcomp.compressors.quantise import SharedScaleTernGradCompressor, TernGradCompressor
+from gcomp.randomness import stream_seed
 from tests.distributed import run_ranks
 from tests.models import SEVERAL_BUCKETS_MB, batch, ddp, mlp, teacher_labels, train
 
@@ -46,31 +46,46 @@ def segment_views(x: torch.Tensor, sizes: list[int]):
     return torch.split(x, sizes)
 
 
+def encode(codec, x: torch.Tensor, info: BucketInfo):
+    payload, state = codec.encode(x, {}, info)
+    assert state == {}
+    return payload
+
+
+def decode_alone(codec, payload) -> torch.Tensor:
+    """One rank's payload decoded alone: a one-rank stack, as the pipeline decodes its own payload."""
+    return codec.decode([t.unsqueeze(0) for t in payload.tensors], payload.ctx)
+
+
+def decode_all(codec, payloads) -> torch.Tensor:
+    """Every rank's payload gathered (stacked by rank), decoded with the first one's context."""
+    return codec.decode([torch.stack(ts) for ts in zip(*(p.tensors for p in payloads))], payloads[0].ctx)
+
+
+def first_draw(seed: int, tag: str, rank: int = 0) -> torch.Generator:
+    """A generator seeded as a fresh stream's first draw: what the codec draws from."""
+    return torch.Generator().manual_seed(stream_seed(seed, tag, rank, "draw 0"))
+
+
 # --- the 2-bit wire -------------------------------------------------------------------------------------------
 
 
-@PATHS
 @PROPERTY
 @given(sizes=st.lists(st.integers(0, 200), min_size=1, max_size=5).filter(lambda s: sum(s) > 0),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1), zeros=st.sampled_from([0.0, 0.3, 1.0]),
        world=st.integers(1, 5))
-def test_codes_round_trip_and_aggregate_is_the_sum_of_decodes(path, sizes, dtype, seed, zeros, world):
-    with on_path(path):
-        _round_trip(sizes, dtype, seed, zeros, world)
-
-
-def _round_trip(sizes, dtype, seed, zeros, world):
+def test_codes_round_trip_and_the_gathered_decode_is_the_sum_of_decodes(sizes, dtype, seed, zeros, world):
     info = layout(sizes, dtype)
     comps = [TernGradCompressor(clip=0.0, seed=r) for r in range(world)]
     xs = [gradient(sizes, dtype, seed + r, zeros) for r in range(world)]
-    payloads = [c.compress(x, info) for c, x in zip(comps, xs)]
+    payloads = [encode(c, x, info) for c, x in zip(comps, xs)]
     n, segments = sum(sizes), len(sizes)
     for x, p in zip(xs, payloads):
         scales, words = p.tensors
         assert scales.dtype == torch.float32 and scales.shape == (segments,)
         assert words.dtype == torch.int64 and words.numel() == -(-n // 32)
         assert p.nbytes == 4 * segments + 8 * -(-n // 32)  # 2 bits per entry, 32 per parameter
-        decoded = comps[0].decompress(p.tensors, p.ctx)
+        decoded = decode_alone(comps[0], p)
         assert decoded.shape == x.shape and decoded.dtype == dtype
         codes = bitpack.unpack(words, n, 2)
         assert int(codes.max()) <= 2  # t + 1 in {0, 1, 2}
@@ -84,28 +99,24 @@ def _round_trip(sizes, dtype, seed, zeros, world):
             assert torch.equal(ds_j, (t.double() * s).to(dtype))
             assert ((t == 0) | (t == xs_j.double().sign().long())).all()  # a sent entry keeps its sign
             assert (t[xs_j == 0] == 0).all()
-    stacked = [torch.stack([p.tensors[j] for p in payloads]) for j in range(2)]
-    total = comps[0].aggregate(stacked, payloads[0].ctx)
-    parts = torch.stack([comps[0].decompress(p.tensors, p.ctx).double() for p in payloads])
+    total = decode_all(comps[0], payloads)
+    parts = torch.stack([decode_alone(comps[0], p).double() for p in payloads])
     eps = torch.finfo(dtype).eps
     assert total.dtype == dtype
     assert ((total.double() - parts.sum(0)).abs() <= (world + 1) * eps * parts.abs().sum(0)).all()
+    assert comps[0].traits.wire_bytes(info, world) == payloads[0].nbytes
 
 
-@PATHS
-def test_fp64_scale_is_rounded_up_to_fp32(path):
+def test_fp64_scale_is_rounded_up_to_fp32():
     x = torch.tensor([1.0 + 2.0**-40, -0.5], dtype=torch.float64)
-    assert wire_scale(x.abs().max()).double() > x.abs().max()
-    with on_path(path):
-        payload = TernGradCompressor(clip=0.0).compress(x, BucketInfo.single(x))
+    payload = encode(TernGradCompressor(clip=0.0), x, BucketInfo.single(x))
     assert payload.tensors[0].double() >= 1.0 + 2.0**-40
 
 
 # --- statistics ------------------------------------------------------------------------------------------------
 
 
-@PATHS
-def test_unbiased_without_clipping(path):
+def test_unbiased_without_clipping():
     """Mean of 4000 draws within 6 standard errors of g, entry by entry; Var(s t) = s |g| - g^2."""
     sizes = [40, 9, 1]
     info = layout(sizes, torch.float32)
@@ -113,10 +124,8 @@ def test_unbiased_without_clipping(path):
     comp = TernGradCompressor(clip=0.0, seed=1)
     trials = 4000
     total = torch.zeros(x.numel(), dtype=torch.float64)
-    with on_path(path):
-        for _ in range(trials):
-            p = comp.compress(x, info)
-            total += comp.decompress(p.tensors, p.ctx).double()
+    for _ in range(trials):
+        total += decode_alone(comp, encode(comp, x, info)).double()
     scale = torch.cat([torch.full((n,), float(v.abs().max())) for n, v in zip(sizes, segment_views(x, sizes))])
     g = x.double()
     var = (scale.double() * g.abs() - g * g).clamp(min=0)
@@ -124,34 +133,59 @@ def test_unbiased_without_clipping(path):
     assert ((total / trials - g).abs() <= bound).all()
 
 
-@PATHS
-def test_clipping_caps_the_scale_and_sends_outliers_as_the_scale(path):
+N = 200_000
+
+
+def _hits(ratio: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Whether each entry of ``ratio`` (|g| / s, scale 1) is sent as non-zero."""
+    comp = TernGradCompressor(clip=0.0, seed=seed)
+    return comp.codes(ratio, torch.ones(1), (ratio.numel(),)) == 2
+
+
+@pytest.mark.parametrize("p", [1 / 512, 1 / 256 + 1e-4, 0.3717, 0.5, 127.5 / 256, 0.999])
+def test_the_hit_frequency_is_the_ratio(p):
+    """Within 5 binomial standard deviations of p over N draws."""
+    hits = _hits(torch.full((N,), p))
+    assert abs(hits.float().mean().item() - p) <= 5 * math.sqrt(p * (1 - p) / N)
+
+
+def test_certain_impossible_and_nan_hits():
+    hits = _hits(torch.tensor([0.0, 1.0, 1.7, float("nan"), float("inf"), -0.0] * 1000)).view(-1, 6)
+    assert (~hits[:, 0]).all() and hits[:, 1].all() and hits[:, 2].all()
+    assert (~hits[:, 3]).all() and hits[:, 4].all() and (~hits[:, 5]).all()
+
+
+def test_hits_are_independent():
+    """Pairs of neighbours hit together with probability p**2."""
+    p = 0.3
+    hits = _hits(torch.full((N,), p)).view(-1, 2)
+    both = (hits[:, 0] & hits[:, 1]).float().mean().item()
+    assert abs(both - p * p) <= 5 * math.sqrt(p * p * (1 - p * p) / (N // 2))
+
+
+def test_clipping_caps_the_scale_and_sends_outliers_as_the_scale():
     x = torch.zeros(1000)
     x[:999] = torch.randn(999, generator=torch.Generator().manual_seed(0))
     x[999] = 100.0  # an outlier far past 2.5 sigma
     comp = TernGradCompressor(clip=2.5)
-    with on_path(path):
-        p = comp.compress(x, BucketInfo.single(x))
-        s = p.tensors[0][0]
-        torch.testing.assert_close(s, 2.5 * torch.std(x, correction=0))
-        assert comp.decompress(p.tensors, p.ctx)[999] == s  # |g| > s: always +s
-        # a one-entry parameter has std 0: it is not clipped to zero
-        one = torch.tensor([3.0])
-        p = comp.compress(one, BucketInfo.single(one))
-        assert p.tensors[0][0] == 3.0 and comp.decompress(p.tensors, p.ctx)[0] == 3.0
+    p = encode(comp, x, BucketInfo.single(x))
+    s = p.tensors[0][0]
+    torch.testing.assert_close(s, 2.5 * torch.std(x, correction=0))
+    assert decode_alone(comp, p)[999] == s  # |g| > s: always +s
+    # a one-entry parameter has std 0: it is not clipped to zero
+    one = torch.tensor([3.0])
+    p = encode(comp, one, BucketInfo.single(one))
+    assert p.tensors[0][0] == 3.0 and decode_alone(comp, p)[0] == 3.0
 
 
-@PATHS
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nonfinite_entry_makes_its_parameter_nonfinite(path, bad):
+def test_nonfinite_entry_makes_its_parameter_nonfinite(bad):
     sizes = [10, 6]
     x = gradient(sizes, torch.float32, seed=0)
     x[2] = bad
     comp = TernGradCompressor(clip=2.5)
-    with on_path(path):
-        p = comp.compress(x, layout(sizes, torch.float32))
-        other = comp.compress(torch.ones(16), layout(sizes, torch.float32))
-        out = comp.aggregate([torch.stack([a, b]) for a, b in zip(p.tensors, other.tensors)], p.ctx)
+    info = layout(sizes, torch.float32)
+    out = decode_all(comp, [encode(comp, x, info), encode(comp, torch.ones(16), info)])
     assert not out[:10].isfinite().any()
     assert out[10:].isfinite().all()
 
@@ -161,12 +195,14 @@ def test_nonfinite_entry_makes_its_parameter_nonfinite(path, bad):
 # real MAX all-reduce may), SUM as a sum of the int64 words.
 
 
-def _simulate(xs: list[torch.Tensor], info: BucketInfo, clip: float = 0.0):
+def _simulate(xs: list[torch.Tensor], info: BucketInfo, clip: float = 0.0, comps=None):
     world = len(xs)
-    comps = [SharedScaleTernGradCompressor(clip=clip, seed=r) for r in range(world)]
-    for c in comps:
-        c.world_size = world
-    payloads = [c.compress(x, info) for c, x in zip(comps, xs)]
+    if comps is None:
+        comps = [SharedScaleTernGradCompressor(clip=clip, seed=r) for r in range(world)]
+        for c in comps:
+            c.world = world
+    payloads = [encode(c, x, info) for c, x in zip(comps, xs)]
+    assert all(p.ops == (dist.ReduceOp.MAX, dist.ReduceOp.SUM) for p in payloads)
     shared = payloads[0].tensors[0].clone()
     for p in payloads[1:]:
         shared = torch.fmax(shared, p.tensors[0])
@@ -177,51 +213,39 @@ def _simulate(xs: list[torch.Tensor], info: BucketInfo, clip: float = 0.0):
     return comps, payloads, shared, lanes
 
 
-@PATHS
 @PROPERTY
 @given(sizes=st.lists(st.integers(1, 150), min_size=1, max_size=4), world=st.integers(1, 9),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1), clip=st.sampled_from([0.0, 2.5]))
-def test_integer_sum_decode_equals_the_sum_of_decoded_codes(path, sizes, world, dtype, seed, clip):
-    with on_path(path):
-        _integer_sum(sizes, world, dtype, seed, clip)
-
-
-def _integer_sum(sizes, world, dtype, seed, clip):
+def test_integer_sum_decode_equals_the_sum_of_decoded_codes(sizes, world, dtype, seed, clip):
     info = layout(sizes, dtype)
     xs = [gradient(sizes, dtype, seed + r, zeros=0.2) for r in range(world)]
     comps, payloads, shared, lanes = _simulate(xs, info, clip)
     n, bits = sum(sizes), bitpack.lane_bits(world)
     assert payloads[0].nbytes == 4 * (len(sizes) + 1) + 8 * bitpack.packed_words(n, bits)
+    assert comps[0].traits.wire_bytes(info, world) == payloads[0].nbytes
     scale = torch.cat([torch.full((k,), float(s)) for k, s in zip(sizes, shared[:-1])]).double()
     codes = torch.stack([bitpack.unpack(p.tensors[1], n, bits) - 1 for p in payloads])  # each rank's own t
     assert int(codes.abs().max()) <= 1
     for r, x in enumerate(xs):
         assert ((codes[r] == 0) | (codes[r] == x.double().sign().long())).all()
     for c, p in zip(comps, payloads):  # every rank decodes the sum with its own context
-        out = c.decompress([shared, lanes.clone()], p.ctx)
+        out = c.decode([shared, lanes], p.ctx)
         assert out.dtype == dtype
-        expected = (codes.sum(0).double() * scale).to(dtype)
-        assert torch.equal(out, expected)
+        assert torch.equal(out, (codes.sum(0).double() * scale).to(dtype))
 
 
-@PATHS
-def test_shared_scale_unbiased_on_three_ranks(path):
+def test_shared_scale_unbiased_on_three_ranks():
     sizes = [30, 5]
     info = layout(sizes, torch.float32)
     xs = [gradient(sizes, torch.float32, seed=r) for r in range(3)]
     world, trials = 3, 1000
     comps = [SharedScaleTernGradCompressor(clip=0.0, seed=r) for r in range(world)]
     for c in comps:
-        c.world_size = world
+        c.world = world
     total = torch.zeros(35, dtype=torch.float64)
-    with on_path(path):
-        for _ in range(trials):  # copies: the decode writes into the compressed tensor, as into the hook's bucket
-            payloads = [c.compress(x.clone(), info) for c, x in zip(comps, xs)]
-            shared = torch.stack([p.tensors[0] for p in payloads]).amax(0)
-            for c, p in zip(comps, payloads):
-                p.tensors[0].copy_(shared)
-                c.second_round(p)
-            total += comps[0].decompress([shared, sum(p.tensors[1] for p in payloads)], payloads[0].ctx).double()
+    for _ in range(trials):
+        _, payloads, shared, lanes = _simulate(xs, info, comps=comps)
+        total += comps[0].decode([shared, lanes], payloads[0].ctx).double()
     scale = torch.cat([torch.full((k,), float(s)) for k, s in zip(sizes, shared[:-1])]).double()
     g = torch.stack([x.double() for x in xs])
     var = (scale * g.abs() - g * g).clamp(min=0).sum(0)
@@ -229,30 +253,51 @@ def test_shared_scale_unbiased_on_three_ranks(path):
     assert ((total / trials - g.sum(0)).abs() <= bound).all()
 
 
-@PATHS
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_shared_scale_flag_surfaces_a_nan_the_max_dropped(path, bad):
+def test_shared_scale_flag_surfaces_a_nan_the_max_dropped(bad):
     sizes = [8, 8]
     info = layout(sizes, torch.float32)
     xs = [gradient(sizes, torch.float32, seed=r) for r in range(3)]
     xs[2][12] = bad  # in the second parameter of the last rank
-    with on_path(path):
-        comps, payloads, shared, lanes = _simulate(xs, info)
-        if bad != bad:
-            assert shared[1].isfinite()  # fmax dropped the NaN scale: only the flag carries it
-        assert shared[-1] == 1
-        for c, p in zip(comps, payloads):
-            assert c.decompress([shared, lanes.clone()], p.ctx).isnan().all()
+    comps, payloads, shared, lanes = _simulate(xs, info)
+    if bad != bad:
+        assert shared[1].isfinite()  # fmax dropped the NaN scale: only the flag carries it
+    assert shared[-1] == 1
+    for c, p in zip(comps, payloads):
+        assert c.decode([shared, lanes], p.ctx).isnan().all()
+
+
+# --- the draws -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("collective", ["allgather", "allreduce"])
+def test_the_codes_are_one_uniform_per_entry_from_the_own_stream(collective):
+    """The codes equal ``u < |g| / scale`` for one uniform ``u`` per entry from the stream's first draw (rank 0),
+    signed by g, in either form; a second encode draws from the stream's next draw."""
+    sizes = [3000, 17, 0, 1]
+    info, x = layout(sizes, torch.float32), gradient(sizes, torch.float32, seed=6, zeros=0.1)
+    comp = gcomp.create("terngrad", collective=collective, seed=2).compressor
+    p = encode(comp, x, info)
+    if collective == "allreduce":
+        comp.second_round(p)
+    scales = p.tensors[0][:len(sizes)]
+    ratio = torch.cat([v.abs() / s for v, s in zip(segment_views(x, sizes), scales)])
+    hit = torch.rand(x.numel(), generator=first_draw(2, "terngrad")) < ratio
+    expected = torch.where(hit, torch.where(x > 0, 2, 0), 1)
+    bits = 2 if collective == "allgather" else bitpack.lane_bits(1)
+    assert torch.equal(bitpack.unpack(p.tensors[1], x.numel(), bits), expected)
+    assert comp.stream.draws == 1
 
 
 # --- real ranks ------------------------------------------------------------------------------------------------
 
 
 def shared_scale_job(bad_rank: int) -> list[torch.Tensor]:
-    """Through ChainedAllreduceCommunicator on gloo: a clean bucket, then one with a NaN on ``bad_rank``."""
+    """Through the method's pipeline (ChainedAllreduceCommunicator on gloo): a clean bucket, then one with a NaN
+    on ``bad_rank``."""
     rank = dist.get_rank()
     method = gcomp.create("terngrad", collective="allreduce", clip=0.0)
-    method.compressor.bind(None, None, {})
+    method.bind(None, None, {})
     sizes = [50, 7]
     info = layout(sizes, torch.float32)
     out = []
@@ -260,9 +305,7 @@ def shared_scale_job(bad_rank: int) -> list[torch.Tensor]:
         x = gradient(sizes, torch.float32, seed=10 * step + rank)
         if step == 1 and rank == bad_rank:
             x[3] = float("nan")
-        payload = method.compressor.compress(x, info)
-        future = method.communicator.exchange(payload, method.compressor, None)
-        out.append(method.communicator.decode(future.wait(), method.compressor, payload.ctx))
+        out.append(method.reduce(x, info, None, {"bytes_sent": 0}).wait())
     return out
 
 
@@ -358,85 +401,3 @@ def test_shared_scale_in_ddp_with_several_buckets(static):
         # 4-bit lanes (4 ranks: a field sums to at most 8) plus the scales: an eighth of fp32's bytes and a little
         assert r["stats"]["bytes_dense"] == 16 * numel
         assert r["stats"]["bytes_sent"] < r["stats"]["bytes_dense"] / 4 + 400
-
-
-@PATHS
-def test_work_buffers_are_kept_per_layout_and_the_hook_decode_writes_into_the_bucket(path):
-    """The draws and codes buffers of a layout are allocated once and reused at every later step; ``aggregate``
-    returns the compressed tensor itself (no result of the bucket's size per step), ``decompress`` a new one."""
-    with on_path(path):
-        _work_buffers()
-
-
-def _work_buffers():
-    comp = TernGradCompressor(clip=0.0)
-    x = gradient([300, 20], torch.float32, seed=1)
-    info = layout([300, 20], torch.float32)
-    first = comp.compress(x.clone(), info)
-    kept = {name: b.data_ptr() for name, b in comp.scratch._buffers.items()}
-    assert {name for _, name in kept} == {"draws", "codes", "hit", "uniform"}
-    held = {name: b.data_ptr() for name, b in comp._bernoulli[info.key].items()}  # draw_hits' bytes and ties
-    bucket = x.clone()
-    second = comp.compress(bucket, info)
-    assert {name: b.data_ptr() for name, b in comp.scratch._buffers.items()} == kept
-    assert {name: b.data_ptr() for name, b in comp._bernoulli[info.key].items()} == held
-    alone = comp.decompress(second.tensors, second.ctx)
-    assert alone.data_ptr() != bucket.data_ptr() and not torch.equal(first.tensors[1], second.tensors[1])
-    total = comp.aggregate([t.unsqueeze(0) for t in second.tensors], second.ctx)
-    assert total.data_ptr() == bucket.data_ptr() and torch.equal(total, alone)
-
-
-@PROPERTY
-@given(words=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
-def test_pack_codes_and_the_table_decode_match_bitpack(words, seed):
-    from gcomp.compressors.terngrad import code_table, pack_codes_, unpack_codes
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 4, (words * 32,), generator=g, dtype=torch.uint8)
-    expected = bitpack.pack(codes, 2)
-    assert torch.equal(pack_codes_(codes.clone()), expected)
-    n = words * 32 - int(torch.randint(0, 32, (1,), generator=g))
-    decoded = unpack_codes(expected, n, code_table("cpu"), torch.empty(words * 32))
-    assert torch.equal(decoded, bitpack.unpack(expected, n, 2, dtype=torch.float32) - 1)
-
-
-@cpu_draws
-def test_codes_are_bernoulli_hits_drawn_a_byte_per_entry_from_the_own_stream():
-    """The codes equal ``bernoulli.draw_hits`` against ``256 |g| / scale`` on a copy of the compressor's stream
-    (one random byte per entry), signed by g; the stream is left where that draw leaves it."""
-    from gcomp.compressors import bernoulli
-    sizes = [3000, 17, 1]
-    info, x = layout(sizes, torch.float32), gradient(sizes, torch.float32, seed=6)
-    comp = TernGradCompressor(clip=2.5, seed=2)
-    reference = torch.Generator().set_state(comp.random("cpu").get_state())
-    p = comp.compress(x, info)
-    scales = p.tensors[0]
-    prob = torch.cat([v.abs() / s * 256 for v, s in zip(segment_views(x, sizes), scales)])
-    hit = torch.empty(x.numel(), dtype=torch.bool)
-    bernoulli.draw_hits(hit, prob, reference, {})
-    expected = torch.where(hit, torch.where(x > 0, 2, 0), 1)
-    assert torch.equal(bitpack.unpack(p.tensors[1], x.numel(), 2), expected)
-    assert torch.equal(comp.random("cpu").get_state(), reference.get_state())
-
-
-@pytest.mark.parametrize("collective", ["allgather", "allreduce"])
-def test_the_device_path_draws_one_uniform_per_entry_from_the_own_stream(collective):
-    """On the device path the codes equal ``bernoulli.draw_hits_device`` (one uniform on [0, 256) per entry) against
-    ``256 |g| / scale`` on a copy of the compressor's stream, signed by g, in either form; the stream is left where
-    that draw leaves it."""
-    from gcomp.compressors import bernoulli
-    sizes = [3000, 17, 0, 1]
-    info, x = layout(sizes, torch.float32), gradient(sizes, torch.float32, seed=6, zeros=0.1)
-    comp = (TernGradCompressor if collective == "allgather" else SharedScaleTernGradCompressor)(clip=2.5, seed=2)
-    reference = torch.Generator().set_state(comp.random("cpu").get_state())
-    with on_path("device"):
-        p = comp.compress(x, info)
-        if collective == "allreduce":
-            comp.second_round(p)
-    scales = p.tensors[0][:len(sizes)]
-    prob = torch.cat([v.abs() / s * 256 for v, s in zip(segment_views(x, sizes), scales)])
-    hit = torch.empty(x.numel(), dtype=torch.bool)
-    bernoulli.draw_hits_device(hit, prob, reference, {})
-    expected = torch.where(hit, torch.where(x > 0, 2, 0), 1)
-    bits = 2 if collective == "allgather" else bitpack.lane_bits(1)
-    assert torch.equal(bitpack.unpack(p.tensors[1], x.numel(), bits), expected)
-    assert torch.equal(comp.random("cpu").get_state(), reference.get_state())

@@ -20,9 +20,8 @@ class CastCompressor(Compressor):
 
     def __init__(self, dtype: torch.dtype | None = None):
         self.dtype = dtype
-        bits = 32 if dtype is None else 16
         self.traits = Traits(fidelity=EXACT if dtype is None else relative(UNIT_ROUNDOFF[dtype]), rows="whole",
-                             wire_bytes=lambda n, world: n * bits // 8)
+                             wire_bytes=lambda bucket, world: bucket.numel * (dtype or bucket.dtype).itemsize)
 
     def encode(self, x, state, layout):
         return Payload([x if self.dtype is None else x.to(self.dtype)], ctx=x.dtype), state
