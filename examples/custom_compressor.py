@@ -17,7 +17,7 @@ from gcomp.collectives import AllgatherCommunicator
 class ScaledSign(gcomp.Compressor):
     """One sign per entry (a bool) and the bucket's mean |x| (fp32), by all-gather."""
 
-    traits = gcomp.Traits(gcomp.ALLGATHER, gcomp.contraction(), wire_bytes=lambda n, world: n + 4)
+    traits = gcomp.Traits(gcomp.ALLGATHER, gcomp.contraction(), wire_bytes=lambda bucket, world: bucket.numel + 4)
 
     def encode(self, x, state, layout):
         return gcomp.Payload([x >= 0, x.abs().mean(dtype=torch.float32).reshape(1)], ctx=x.dtype), state
@@ -40,7 +40,7 @@ class AbsmaxCompressor(gcomp.Compressor):
     def __init__(self, bits: int):
         self.levels = 2 ** (bits - 1) - 1  # symmetric: -levels .. levels
         self.traits = gcomp.Traits(gcomp.ALLGATHER, gcomp.relative(0.5 / self.levels, block=0),
-                                   wire_bytes=lambda n, world: n + 4)
+                                   wire_bytes=lambda bucket, world: bucket.numel + 4)
 
     def encode(self, x, state, layout):
         scale = x.abs().max().float().clamp_min(1e-30).reshape(1)  # NaN stays NaN, so it reaches everyone

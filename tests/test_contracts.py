@@ -183,9 +183,9 @@ def test_unbiased_draws(name, world):
     _check(process_checks.check_unbiased, _reduce_results(name, world), _method(name))
 
 
-@pytest.mark.parametrize("name, world", _params(SIZED_METHODS, WORLD_AXIS))
-def test_bytes_sent_is_wire_bytes(name, world):
-    _check(process_checks.check_bytes, _reduce_results(name, world), _method(name), world)
+@pytest.mark.parametrize("name, world, layout", _params(SIZED_METHODS, WORLD_AXIS, LAYOUT_AXIS))
+def test_bytes_sent_is_wire_bytes(name, world, layout):
+    _check(process_checks.check_bytes, _reduce_results(name, world), layout, _method(name))
 
 
 # --- contract 8: bad configuration -------------------------------------------------------------------------------

@@ -122,7 +122,8 @@ def _checks(run: _Run, number: int, examples: int, seed: int):
                 for w in worlds for lay in LAYOUTS] + [
             (f"ws{w} draws", lambda w=w: checks.check_unbiased(run.reduce(w), m)) for w in worlds]
     if number == 10:
-        return [(f"ws{w}", lambda w=w: checks.check_bytes(run.reduce(w), m, w)) for w in worlds]
+        return [(f"ws{w} {lay}", lambda w=w, lay=lay: checks.check_bytes(run.reduce(w), lay, m))
+                for w in worlds for lay in LAYOUTS]
     if not m.serves_fsdp:
         return "the method does not serve FSDP2 (traits.rows is None, or its communicator's rows is False)"
     return [(f"ws{w} {c}", lambda w=w, c=c: checks.check_fsdp(run.job(("fsdp", w), w, job_fsdp, [run.source]),

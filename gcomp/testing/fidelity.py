@@ -71,13 +71,13 @@ def check_alone(fidelity, x: torch.Tensor, c: torch.Tensor, what: str) -> str | 
 
 def check_draws(draws: torch.Tensor, inputs: torch.Tensor, dtypes, what: str, share: float = 0.0) -> str | None:
     """``unbiased``: ``draws`` (``(DRAWS, n)``) of the sum of ``inputs`` (``(world, n)``), off on at most a share
-    ``share`` of the entries; the variance is the largest of any entry's (an entry that drew one value every time is
-    judged by its neighbours')."""
+    ``share`` of the entries per rank; the variance is the largest of any entry's (an entry that drew one value every
+    time is judged by its neighbours')."""
     mean, exact, (eps, tiny) = draws.mean(0), inputs.sum(0), precision(dtypes)
     spread = SIGMAS * (draws.var(0, correction=0).max() / len(draws)).sqrt()
     bound = spread + sum_bound(2, inputs.abs().sum(0), eps, tiny)
     off = mismatch(mean, exact, bound, f"fidelity unbiased: {what}: the mean of {len(draws)} draws")
-    if off is not None and share and int((~((mean - exact).abs() <= bound)).sum()) <= share * len(mean):
+    if off is not None and share and int((~((mean - exact).abs() <= bound)).sum()) <= share * len(inputs) * len(mean):
         off = None
     if off is None and not (exact.abs() > bound).any():
         return f"fidelity unbiased: {what}: {len(draws)} draws bound no entry ({bound.max().item():.3g}): not checked"

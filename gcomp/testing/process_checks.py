@@ -95,16 +95,14 @@ def check_conservation(ranks: list[dict], dtype: torch.dtype, method) -> None:
     _require(found is None, str(found))
 
 
-def check_bytes(ranks: list[dict], method, world: int) -> None:
-    """Contract 10: each step's bytes of one-parameter fp32 buckets of n entries."""
-    wire = _traits(method).wire_bytes
-    if wire is None:
+def check_bytes(ranks: list[dict], layout: str, method) -> None:
+    """Contract 10: every compressing bucket's ``bytes_sent`` is ``traits.wire_bytes(bucket, world)``."""
+    if _traits(method).wire_bytes is None:
         raise Skip("the method declares no traits.wire_bytes: the data decides")
-    for rank, r in enumerate(ranks):
-        for key in [k for k in r if k[0] == "bytes"]:
-            _require(all(b == wire(key[1], world) for b in r[key]),
-                     f"rank {rank}: a one-parameter bucket of {key[1]} fp32 entries sent {r[key]} bytes per step; "
-                     f"traits.wire_bytes says {wire(key[1], world)}")
+    for where, _, mine in _reports(ranks, "compress", layout):
+        for rank, r in enumerate(mine):
+            sent, said = r["bytes"]
+            _require(sent == said, f"{where}: rank {rank} sent {sent} bytes; traits.wire_bytes says {said}")
 
 
 def check_nonfinite(ranks: list[dict], path: str, kind: str) -> None:

@@ -15,7 +15,7 @@ CONTRACTS = {
     7: ("state_dict", "a checkpoint resumed on a fresh model and hook is bit-identical to a run never stopped"),
     8: ("configuration", "bad configuration fails early and clearly"),
     9: ("fidelity", "the result keeps the error model the compressor declares (traits.fidelity)"),
-    10: ("bytes", "bytes_sent of a one-parameter bucket is traits.wire_bytes(n, world)"),
+    10: ("bytes", "bytes_sent of a bucket is traits.wire_bytes(bucket, world)"),
     11: ("fsdp", "FSDP2's reduce-scatter: this rank's shard of the sum as the error model says, error feedback "
                  "conserved, a non-finite entry on its shard, AVG divided by the shard count"),
 }
