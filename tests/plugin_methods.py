@@ -8,28 +8,25 @@ tests/test_testing_kit.py (which registers them by entry point and checks them w
 """
 from __future__ import annotations
 
-from gcomp import ALLREDUCE, Compressor, Method, NoMemory, Payload
+from gcomp import Compressor, Method, NoMemory, Payload
 from gcomp.collectives import AllreduceCommunicator
 
 
 class ReversedCompressor(Compressor):
     """Sends the bucket reversed, by SUM all-reduce (a reversal commutes with the sum: exact)."""
 
-    collective = ALLREDUCE
-    lossless = True
+    def encode(self, x, state, layout):
+        return Payload([x.flip(0)]), state
 
-    def compress(self, tensor, bucket):
-        return Payload([tensor.flip(0)])
-
-    def decompress(self, tensors, ctx):
-        return tensors[0].flip(0)
+    def decode(self, received, ctx):
+        return received[0].flip(0)
 
 
 class DroppingCompressor(ReversedCompressor):
     """``ReversedCompressor`` whose decode loses the last entry: a bug the contracts must catch."""
 
-    def decompress(self, tensors, ctx):
-        out = tensors[0].flip(0)  # a copy: the received tensor is left alone
+    def decode(self, received, ctx):
+        out = received[0].flip(0)  # a copy: the received tensor is left alone
         out[-1] = 0
         return out
 

@@ -14,6 +14,9 @@ several configurations at once and the tests below read their own configuration 
 6. non-finite values surface on every rank                     test_nonfinite_surfaces_on_every_rank
 7. state_dict round trip                                       test_state_dict_resume_is_bit_identical
 8. bad configuration fails early and clearly                   test_bad_parameter_*, test_unknown_*
+9. the error model the compressor declares (traits.fidelity)   test_fidelity, test_unbiased_draws
+10. bytes_sent is traits.wire_bytes                            test_bytes_sent_is_wire_bytes
+(11. FSDP2's reduce-scatter: tests/fsdp/test_contracts.py)
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gcomp
-from gcomp.testing import Skip, codec_checks, config_checks, process_checks
+from gcomp.testing import Skip, config_checks, process_checks
 from gcomp.testing.buckets import DTYPES, LAYOUTS, dtype_name
 from gcomp.testing.ranks import run_ranks_once
 from gcomp.testing.reduce_jobs import NONFINITE, PATHS, job_reduce
@@ -43,6 +46,15 @@ def _method(name: str) -> gcomp.Method:
 ALLREDUCE_METHODS = [m for m in METHODS if _method(m).collective == gcomp.ALLREDUCE]
 LOSSLESS_METHODS = [m for m in METHODS if _method(m).lossless]
 ERROR_FEEDBACK_METHODS = [m for m in METHODS if _method(m).error_feedback]
+
+
+def _traits(name: str):
+    return _method(name).compressor.traits if isinstance(_method(name), gcomp.Method) else None
+
+
+CODEC_METHODS = [m for m in METHODS if _traits(m) is not None]
+UNBIASED_METHODS = [m for m in CODEC_METHODS if _traits(m).fidelity.kind == "unbiased"]
+SIZED_METHODS = [m for m in CODEC_METHODS if _traits(m).wire_bytes is not None]
 
 
 def _check(check, *args):
@@ -123,7 +135,7 @@ def test_lossless_training_equals_plain_ddp(name, world, several, static):
 
 @functools.lru_cache(maxsize=None)
 def _layout_dependence(name: str) -> str | None:
-    return codec_checks.layout_dependence(functools.partial(gcomp.create, name), name)
+    return process_checks.layout_dependence(functools.partial(gcomp.create, name), name)
 
 
 @pytest.mark.parametrize("name, flavour", _params(METHODS, [(f, f) for f in RESUMES]))
@@ -139,22 +151,41 @@ def test_state_dict_resume_is_bit_identical(name, flavour):
 
 @pytest.mark.parametrize("name", ALLREDUCE_METHODS)
 @settings(max_examples=50, deadline=None)
-@given(world=st.integers(*codec_checks.WORLDS), numel=st.integers(*codec_checks.NUMELS),
-       seed=st.integers(*codec_checks.SEEDS), log_scale=st.floats(*codec_checks.LOG_SCALES),
-       zeros=st.sampled_from(codec_checks.ZEROS), dtype=st.sampled_from(DTYPES))
+@given(world=st.integers(*process_checks.WORLDS), numel=st.integers(*process_checks.NUMELS),
+       seed=st.integers(*process_checks.SEEDS), log_scale=st.floats(*process_checks.LOG_SCALES),
+       zeros=st.sampled_from(process_checks.ZEROS), dtype=st.sampled_from(DTYPES))
 def test_allreduce_homomorphism(name, world, numel, seed, log_scale, zeros, dtype):
     """decompress(elementwise sum of the payloads, in their dtype) == sum of decompress(payload)."""
-    _check(codec_checks.check_homomorphism, functools.partial(gcomp.create, name), world, numel, seed, log_scale,
+    _check(process_checks.check_homomorphism, functools.partial(gcomp.create, name), world, numel, seed, log_scale,
            zeros, dtype)
 
 
-# --- contract 5: error-feedback conservation (local) -------------------------------------------------------------
+# --- contract 5: error-feedback conservation (the one-rank job's runs) --------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
 @pytest.mark.parametrize("name", ERROR_FEEDBACK_METHODS)
 def test_error_feedback_conservation(name, dtype):
-    """decompress(payload) + new residual == gradient + old residual, step after step, across a re-layout."""
-    _check(codec_checks.check_conservation, gcomp.create(name), dtype)
+    """What was sent plus what is held back is the gradient plus what was held, step after step, across a
+    re-layout."""
+    _check(process_checks.check_conservation, _reduce_results(name, 1), dtype, _method(name))
+
+
+# --- contracts 9 and 10: fidelity, bytes -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, world, layout", _params(CODEC_METHODS, WORLD_AXIS, LAYOUT_AXIS))
+def test_fidelity(name, world, layout):
+    """Each result, or each rank's bucket reduced alone, keeps the error model the compressor declares."""
+    _check(process_checks.check_fidelity, _reduce_results(name, world), layout, _method(name))
+
+
+@pytest.mark.parametrize("name, world", _params(UNBIASED_METHODS, WORLD_AXIS))
+def test_unbiased_draws(name, world):
+    _check(process_checks.check_unbiased, _reduce_results(name, world), _method(name))
+
+
+@pytest.mark.parametrize("name, world, layout", _params(SIZED_METHODS, WORLD_AXIS, LAYOUT_AXIS))
+def test_bytes_sent_is_wire_bytes(name, world, layout):
+    _check(process_checks.check_bytes, _reduce_results(name, world), layout, _method(name))
 
 
 # --- contract 8: bad configuration -------------------------------------------------------------------------------

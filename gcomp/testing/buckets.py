@@ -1,5 +1,4 @@
-"""Fake DDP buckets: what ``HookState.reduce`` reads of a ``dist.GradBucket``, how the contract jobs split a
-model's parameters into buckets, and the gradients they fill them with, in every floating dtype checked."""
+"""Fake DDP buckets, how the contract jobs split a model into them, and the gradients they hold."""
 from __future__ import annotations
 
 import torch
@@ -33,8 +32,7 @@ class FakeBucket:
 
 
 def bucket_groups(model: torch.nn.Module, layout: str) -> list[list[torch.nn.Parameter]]:
-    """Parameters per bucket in DDP's rebuilt (backward) order: all in one bucket (``"one"``), or split in two
-    (``"several"``)."""
+    """Parameters per bucket in DDP's backward order: all in one (``"one"``), or in two (``"several"``)."""
     params = list(model.parameters())[::-1]
     if layout == "one":
         return [params]

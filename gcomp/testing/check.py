@@ -1,15 +1,15 @@
-"""``check_method``: run the eight contracts of docs/design.md against one method, a registered name or a
-module-level factory, on gloo ranks of this machine, and report every (contract, configuration) checked."""
+"""``check_method``: the contracts (``report.CONTRACTS``) against one method, a registered name or a module-level
+factory, on gloo ranks of this machine; a report of every (contract, configuration) checked."""
 from __future__ import annotations
 
 import traceback
 from typing import Any, Callable, Iterable
 
 import gcomp
-from gcomp.testing import codec_checks, config_checks, process_checks
+from gcomp.testing import config_checks, process_checks as checks
 from gcomp.testing.buckets import DTYPES, LAYOUTS, dtype_name
-from gcomp.testing.ranks import MAX_RANKS, run_ranks
-from gcomp.testing.reduce_jobs import NONFINITE, PATHS, job_reduce
+from gcomp.testing.ranks import MAX_RANKS, run_ranks_once
+from gcomp.testing.reduce_jobs import FSDP_CHECKS, NONFINITE, PATHS, job_fsdp, job_reduce
 from gcomp.testing.report import CONTRACTS, FAILED, NUMBERS, PASSED, SKIPPED, ContractError, Report, Skip
 from gcomp.testing.source import MethodSource
 from gcomp.testing.train_jobs import RESUME_WORLD, RESUMES, TRAIN_CONFIGS, job_resume, job_train
@@ -18,12 +18,8 @@ TRAITS = ("collective", "lossless", "stateful", "decodes_alone", "depends_on_lay
 
 
 def _contracts(contracts: Iterable[int | str] | None) -> list[int]:
-    if contracts is None:
-        return list(CONTRACTS)
-    if isinstance(contracts, (int, str)):
-        contracts = [contracts]
     chosen = set()
-    for c in contracts:
+    for c in CONTRACTS if contracts is None else [contracts] if isinstance(contracts, (int, str)) else contracts:
         number = NUMBERS.get(c, c if isinstance(c, int) and not isinstance(c, bool) else None)
         if number not in CONTRACTS:
             raise ValueError(f"check_method: unknown contract {c!r}; the contracts are "
@@ -32,32 +28,16 @@ def _contracts(contracts: Iterable[int | str] | None) -> list[int]:
     return sorted(chosen)
 
 
-def _worlds(world_sizes: Iterable[int]) -> list[int]:
-    worlds = list(world_sizes)
-    if not worlds or not all(isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= MAX_RANKS for w in worlds):
-        raise ValueError(f"check_method: world_sizes must be rank counts from 1 to {MAX_RANKS}; got {world_sizes!r}")
-    return sorted(set(worlds))
-
-
 class _Run:
-    """One ``check_method`` call: the method, its rank jobs (each run once, on first need) and the report."""
+    """One ``check_method`` call: the method, its rank jobs and the report."""
 
     def __init__(self, source: MethodSource, method: Any, worlds: list[int], timeout: float):
         self.source, self.method, self.worlds, self.timeout = source, method, worlds, timeout
         self.report = Report(source.label)
-        self._jobs: dict = {}
 
     def job(self, key: tuple, world: int, fn: Callable, *args) -> list:
-        """``fn`` on ``world`` ranks once per ``key``; a failed job fails every check that reads it."""
-        if key not in self._jobs:
-            try:
-                self._jobs[key] = (True, run_ranks(world, fn, *args, timeout=self.timeout))
-            except AssertionError as err:
-                self._jobs[key] = (False, f"the rank job {fn.__name__} failed on {world} rank(s): {err}")
-        ok, value = self._jobs[key]
-        if not ok:
-            raise AssertionError(value)
-        return value
+        """``fn`` on ``world`` ranks, once per ``key`` and method; a failed job fails every check that reads it."""
+        return run_ranks_once((self.source, *key), world, fn, *args, timeout=self.timeout)
 
     def reduce(self, world: int) -> list:
         return self.job(("reduce", world), world, job_reduce, self.source)
@@ -65,11 +45,11 @@ class _Run:
     def train(self, world: int) -> list:
         return self.job(("train", world), world, job_train, self.source, TRAIN_CONFIGS, bool(self.method.lossless))
 
-    def check(self, number: int, config: str, fn: Callable, *args) -> None:
+    def check(self, number: int, config: str, fn: Callable) -> None:
         """Run one check and record it: passed (with its note), skipped (with the reason) or failed."""
         contract = CONTRACTS[number][0]
         try:
-            note = fn(*args)
+            note = fn()
         except Skip as skip:
             self.report.add(contract, config, SKIPPED, str(skip))
         except AssertionError as err:
@@ -79,124 +59,90 @@ class _Run:
         else:
             self.report.add(contract, config, PASSED, note if isinstance(note, str) else "")
 
-    def skip(self, number: int, reason: str) -> None:
-        self.report.add(CONTRACTS[number][0], "all", SKIPPED, reason)
+
+def _skip(reason: str) -> None:
+    raise Skip(reason)
 
 
-def _reduce(run: _Run) -> None:
-    for world in run.worlds:
-        for layout in LAYOUTS:
-            for path in PATHS:
-                run.check(1, f"ws{world} {layout} {path}", lambda w=world, lay=layout, p=path: (
-                    process_checks.check_reduce(run.reduce(w), lay, p, run.method.decodes_alone)))
+def _checks(run: _Run, number: int, examples: int, seed: int):
+    """``(config, check)`` of contract ``number``; a string instead: the reason it is skipped for this method."""
+    m, name, worlds, trains = run.method, run.source.name, run.worlds, TRAIN_CONFIGS
+    train = [(f"{'several' if s else 'one'} {'static' if st else 'dynamic'}", s, st) for s, st in trains]
+    if number == 1:
+        return [(f"ws{w} {lay} {p}", lambda w=w, lay=lay, p=p: checks.check_reduce(run.reduce(w), lay, p,
+                                                                                    m.decodes_alone))
+                for w in worlds for lay in LAYOUTS for p in PATHS]
+    if number == 2:
+        return [(f"ws{w} {c} {what}", lambda w=w, s=s, st=st, f=f, e=extra: f(run.train(w), s, st, *e))
+                for w in worlds for c, s, st in train for what, f, extra in
+                (("replicas", checks.check_replicas, ()), ("stats", checks.check_stats, (m.stateful,)))]
+    if number == 3:
+        if m.collective != gcomp.ALLREDUCE or not isinstance(m, gcomp.Method):
+            return (f"applies to a gcomp.Method of collective {gcomp.ALLREDUCE!r}; this is a {type(m).__name__} of "
+                    f"{m.collective!r}")
+        return [(checks.example_label(**ex), lambda ex=ex: checks.check_homomorphism(
+            run.source.create, **ex)) for ex in checks.homomorphism_examples(examples, seed)]
+    if number == 4:
+        if not m.lossless:
+            return "applies to lossless methods; this one's lossless is False"
+        return [(f"ws{w} {lay} reduce", lambda w=w, lay=lay: checks.check_lossless_reduce(run.reduce(w), lay))
+                for w in worlds for lay in LAYOUTS] + [
+            (f"ws{w} {c} training", lambda w=w, s=s, st=st: checks.check_lossless_training(run.train(w), s, st))
+            for w in worlds for c, s, st in train]
+    if number == 5:
+        if not m.error_feedback:
+            return "applies to methods with error feedback; this one's error_feedback is False"
+        return [(dtype_name(d), lambda d=d: checks.check_conservation(run.reduce(worlds[0]), d, m)) for d in DTYPES]
+    if number == 6:
+        return [(f"ws{w} {p} {k}", lambda w=w, p=p, k=k: checks.check_nonfinite(run.reduce(w), p, k))
+                for w in worlds for p in PATHS for k in NONFINITE]
+    if number == 7:
+        dependence = checks.layout_dependence(run.source.create, run.source.label)
 
-
-def _replicas(run: _Run) -> None:
-    for world in run.worlds:
-        for several, static in TRAIN_CONFIGS:
-            config = f"ws{world} {'several' if several else 'one'} {'static' if static else 'dynamic'}"
-            run.check(2, f"{config} replicas", lambda w=world, s=several, st=static: (
-                process_checks.check_replicas(run.train(w), s, st)))
-            run.check(2, f"{config} stats", lambda w=world, s=several, st=static: (
-                process_checks.check_stats(run.train(w), s, st, run.method.stateful)))
-
-
-def _homomorphism(run: _Run, examples: int, seed: int) -> None:
-    if run.method.collective != gcomp.ALLREDUCE:
-        return run.skip(3, f"homomorphism applies to methods whose collective is {gcomp.ALLREDUCE!r}; this one's "
-                           f"is {run.method.collective!r}")
-    if not isinstance(run.method, gcomp.Method):
-        return run.skip(3, f"{type(run.method).__name__} is not a gcomp.Method (a composite method): it has no "
-                           "codec of its own to run alone")
-    for example in codec_checks.homomorphism_examples(examples, seed):
-        run.check(3, codec_checks.example_label(**example),
-                  lambda ex=example: codec_checks.check_homomorphism(run.source.create, **ex))
-
-
-def _lossless(run: _Run) -> None:
-    if not run.method.lossless:
-        return run.skip(4, "applies to lossless methods; this one's lossless is False")
-    for world in run.worlds:
-        for layout in LAYOUTS:
-            run.check(4, f"ws{world} {layout} reduce", lambda w=world, lay=layout: (
-                process_checks.check_lossless_reduce(run.reduce(w), lay)))
-        for several, static in TRAIN_CONFIGS:
-            config = f"ws{world} {'several' if several else 'one'} {'static' if static else 'dynamic'} training"
-            run.check(4, config, lambda w=world, s=several, st=static: (
-                process_checks.check_lossless_training(run.train(w), s, st)))
-
-
-def _conservation(run: _Run) -> None:
-    if not run.method.error_feedback:
-        return run.skip(5, "applies to methods with error feedback; this one's error_feedback is False")
-    if not isinstance(run.method, gcomp.Method):
-        return run.skip(5, f"{type(run.method).__name__} is not a gcomp.Method (a composite method): it has no "
-                           "memory of its own to run alone")
-    for dtype in DTYPES:
-        run.check(5, dtype_name(dtype), lambda d=dtype: codec_checks.check_conservation(run.source.create(), d))
-
-
-def _nonfinite(run: _Run) -> None:
-    for world in run.worlds:
-        for path in PATHS:
-            for kind in NONFINITE:
-                run.check(6, f"ws{world} {path} {kind}", lambda w=world, p=path, k=kind: (
-                    process_checks.check_nonfinite(run.reduce(w), p, k)))
-
-
-def _state_dict(run: _Run) -> None:
-    try:
-        dependence = codec_checks.layout_dependence(run.source.create, run.source.label)
-    except Exception as err:  # noqa: BLE001 -- the codec fails: the layout-kept cases will say how
-        dependence = f"whether {run.source.label} depends on the bucket layout is unknown ({type(err).__name__}: {err})"
-    for flavour in RESUMES:
-        def check(f=flavour):
-            process_checks.resume_skip(f, dependence)
-            ranks = run.job(("resume",), RESUME_WORLD, job_resume, [run.source])
-            process_checks.check_resume(ranks, run.source, f)
-        run.check(7, f"ws{RESUME_WORLD} {flavour}", check)
-
-
-def _configuration(run: _Run) -> None:
-    if not run.source.registered:
-        return run.skip(8, "needs a registered name: the parameter ranges, unknown names and describe are the "
-                           "registry's")
-    name = run.source.name
-    for pname, label, value in config_checks.bad_cases(name):
-        run.check(8, f"create {pname}={label}", config_checks.check_bad_create, name, pname, value)
-    cases = config_checks.install_cases(name)
-    for index, params in enumerate(cases):
-        (pname, value), = params.items()
-        run.check(8, f"install {pname}={value!r}", lambda i=index, p=params: config_checks.check_install_reject(
-            name, p, run.job(("install-rejects",), 1, config_checks.job_install_rejects,
-                             [(run.source, c) for c in cases])[0][i]))
-    run.check(8, "unknown parameter", config_checks.check_unknown_parameter, name)
-    run.check(8, "unknown method", config_checks.check_unknown_method, name)
-    run.check(8, "describe", config_checks.check_describe, name)
+        def resume(f):
+            checks.resume_skip(f, dependence)
+            checks.check_resume(run.job(("resume",), RESUME_WORLD, job_resume, [run.source]), run.source, f)
+        return [(f"ws{RESUME_WORLD} {f}", lambda f=f: resume(f)) for f in RESUMES]
+    if number == 8:
+        if not run.source.registered:
+            return "needs a registered name: the parameter ranges, unknown names and describe are the registry's"
+        cases = config_checks.install_cases(name)
+        rejects = lambda: run.job(("install-rejects",), 1, config_checks.job_install_rejects,  # noqa: E731
+                                  [(run.source, c) for c in cases])[0]
+        return ([(f"create {p}={label}", lambda p=p, v=v: config_checks.check_bad_create(name, p, v))
+                 for p, label, v in config_checks.bad_cases(name)]
+                + [(f"install {p}={v!r}", lambda i=i, c=c: config_checks.check_install_reject(name, c, rejects()[i]))
+                   for i, c in enumerate(cases) for p, v in c.items()]
+                + [(label, lambda f=f: f(name)) for label, f in (
+                    ("unknown parameter", config_checks.check_unknown_parameter),
+                    ("unknown method", config_checks.check_unknown_method),
+                    ("describe", config_checks.check_describe))])
+    if number == 9:
+        return [(f"ws{w} {lay}", lambda w=w, lay=lay: checks.check_fidelity(run.reduce(w), lay, m))
+                for w in worlds for lay in LAYOUTS] + [
+            (f"ws{w} draws", lambda w=w: checks.check_unbiased(run.reduce(w), m)) for w in worlds]
+    if number == 10:
+        return [(f"ws{w} {lay}", lambda w=w, lay=lay: checks.check_bytes(run.reduce(w), lay, m))
+                for w in worlds for lay in LAYOUTS]
+    if not m.serves_fsdp:
+        return "the method does not serve FSDP2 (traits.rows is None, or its communicator's rows is False)"
+    return [(f"ws{w} {c}", lambda w=w, c=c: checks.check_fsdp(run.job(("fsdp", w), w, job_fsdp, [run.source]),
+                                                                run.source.label, c))
+            for w in worlds for c in FSDP_CHECKS]
 
 
 def check_method(name_or_factory: str | Callable[[], Any], world_sizes: Iterable[int] = (1, 2, 3), *,
                  contracts: Iterable[int | str] | None = None, examples: int = 20, seed: int = 0,
                  raise_on_failure: bool = True, timeout: float = 300) -> Report:
-    """Check one method against the eight contracts (docs/design.md) and return the ``Report``.
-
-    ``name_or_factory``: a registered method name (built in, registered with ``gcomp.register``, or from a
-    ``gcomp.methods`` entry point), or a module-level callable taking no arguments that returns the configured
-    method. The rank jobs run in worker processes (gloo on 127.0.0.1, ``world_sizes`` ranks each, 1 to 8; the
-    state_dict contract on 2), which import the factory by its module and name: a lambda, a nested function or
-    a bound method is refused with a TypeError; define the factory with ``def`` at the top level of a module.
-    An unknown name raises ``gcomp.UnknownMethodError`` at once.
-
-    ``contracts``: numbers or keys (``"lossless"``, see ``CONTRACTS``) to check, all by default. ``examples``:
-    how many seeded examples (``seed``) the homomorphism contract draws. ``timeout``: seconds a rank job may
-    take. Contracts that do not apply are skipped with the reason (homomorphism: all-reduce methods; lossless:
-    ``method.lossless``; conservation: ``method.error_feedback``; bad configuration: registered names; the
-    codec-level checks: ``gcomp.Method`` instances).
-
-    Raises ``ContractError`` (an AssertionError) listing every failure, unless ``raise_on_failure=False``.
-    """
+    """The ``Report`` of the contracts (``CONTRACTS``; ``contracts``: some by number or key) on one method: a
+    registered name, or a module-level callable with no arguments returning the configured method (the workers
+    import it by module and name: a lambda or a nested function is a TypeError). Rank jobs on ``world_sizes`` ranks
+    (1 to 8; contract 7 on 2), each within ``timeout`` seconds; ``examples`` seeded (``seed``) homomorphism examples.
+    Raises ``ContractError`` listing every failure, unless ``raise_on_failure=False``."""
     source = MethodSource.of(name_or_factory)
-    chosen, worlds = _contracts(contracts), _worlds(world_sizes)
+    chosen, worlds = _contracts(contracts), sorted(set(world_sizes))
+    if not worlds or not all(isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= MAX_RANKS for w in worlds):
+        raise ValueError(f"check_method: world_sizes must be rank counts from 1 to {MAX_RANKS}; got {world_sizes!r}")
     if not isinstance(examples, int) or examples < 0:
         raise ValueError(f"check_method: examples must be a count, 0 or more; got {examples!r}")
     method = source.create()  # an unknown name, a bad factory: raised here, before any process starts
@@ -205,10 +151,10 @@ def check_method(name_or_factory: str | Callable[[], Any], world_sizes: Iterable
         raise TypeError(f"check_method: {source.label} gave a {type(method).__name__}, which lacks the method "
                         f"traits {', '.join(lacking)}: return a configured gcomp.Method")
     run = _Run(source, method, worlds, timeout)
-    steps = {1: _reduce, 2: _replicas, 3: lambda r: _homomorphism(r, examples, seed), 4: _lossless,
-             5: _conservation, 6: _nonfinite, 7: _state_dict, 8: _configuration}
     for number in chosen:
-        steps[number](run)
+        found = _checks(run, number, examples, seed)
+        for config, fn in [("all", lambda: _skip(found))] if isinstance(found, str) else found:
+            run.check(number, config, fn)
     if raise_on_failure and run.report.failures:
         raise ContractError(run.report)
     return run.report

@@ -1,9 +1,6 @@
-"""Contract 8, bad configuration fails early and clearly, for a registered method: every parameter given a
-value outside its registered range (or of the wrong type) is refused by ``gcomp.create`` and by
-``gcomp.install`` (which then leaves the DDP model free), naming the method, the parameter, its range and the
-value; an unknown parameter is named; an unknown method name lists the closest names; ``describe`` names
-every parameter with its default and range. Checks raise AssertionError (``Skip`` where one does not apply).
-"""
+"""Contract 8 for a registered method: a parameter out of its range (or of the wrong type) is refused by
+``gcomp.create`` and ``gcomp.install`` (leaving the DDP model free), naming the method, the parameter, its range and
+the value; an unknown parameter is named; an unknown name lists the closest; ``describe`` names every parameter."""
 from __future__ import annotations
 
 import math
@@ -67,35 +64,35 @@ def check_message(message: str, name: str, pname: str, value) -> None:
         raise AssertionError(f"the refusal of {pname}={value!r} does not name {', '.join(missing)}: {message}")
 
 
+def _refusal(call, what: str, kind: type = ValueError) -> str:
+    """The message of the ``kind`` that ``call()`` raises; AssertionError when it raises none."""
+    try:
+        call()
+    except kind as err:
+        return str(err)
+    raise AssertionError(f"{what} did not raise {kind.__name__}")
+
+
 def check_bad_create(name: str, pname: str, value) -> None:
     """``gcomp.create(name, pname=value)`` raises ValueError with a clear message."""
-    try:
-        gcomp.create(name, **{pname: value})
-    except ValueError as err:
-        check_message(str(err), name, pname, value)
-    else:
-        raise AssertionError(f"gcomp.create({name!r}, {pname}={value!r}) did not raise ValueError")
+    check_message(_refusal(lambda: gcomp.create(name, **{pname: value}), f"gcomp.create({name!r}, {pname}={value!r})"),
+                  name, pname, value)
 
 
 def job_install_rejects(cases: list[tuple]) -> list:
-    """Contract 8 at install time (a rank job): each ``(method, params)`` (a registered name or a
-    ``MethodSource``) must raise ValueError from ``gcomp.install`` and leave the DDP model free for a correct
-    install afterwards. Returns ``(message or None, reinstalled)`` per case."""
+    """A rank job: per ``(method, params)`` (a name or ``MethodSource``), ``gcomp.install``'s ValueError message (or
+    None) and whether a correct install works afterwards."""
     out = []
     for method, params in cases:
-        source = as_source(method)
-        ddp_model = models.ddp(models.mlp(0))
+        source, ddp_model = as_source(method), models.ddp(models.mlp(0))
         try:
-            source.install(ddp_model, **params)
+            message = _refusal(lambda: source.install(ddp_model, **params), "install")
+        except AssertionError:
             message = None
-        except ValueError as err:
-            message = str(err)
         try:
-            source.install(ddp_model)
-            reinstalled = True
+            out.append((message, source.install(ddp_model) is not None))
         except RuntimeError:
-            reinstalled = False
-        out.append((message, reinstalled))
+            out.append((message, False))
     return out
 
 
@@ -110,24 +107,20 @@ def check_install_reject(name: str, params: dict, outcome: tuple) -> None:
     (pname, value), = params.items()
     if message is None:
         raise AssertionError(f"install({name!r}, {params}) did not raise ValueError")
-    if pname == UNKNOWN_PARAMETER:
-        if pname not in message:
-            raise AssertionError(f"install({name!r}, {params}): the message does not name {pname}: {message}")
-    else:
+    if pname != UNKNOWN_PARAMETER:
         check_message(message, name, pname, value)
+    elif pname not in message:
+        raise AssertionError(f"install({name!r}, {params}): the message does not name {pname}: {message}")
     if not reinstalled:
         raise AssertionError(f"a failed install({name!r}, {params}) left a hook on the DDP model")
 
 
 def check_unknown_parameter(name: str) -> None:
     """``gcomp.create(name, no_such_parameter=1)`` raises ValueError naming the parameter."""
-    try:
-        gcomp.create(name, **{UNKNOWN_PARAMETER: 1})
-    except ValueError as err:
-        if UNKNOWN_PARAMETER not in str(err):
-            raise AssertionError(f"the refusal does not name {UNKNOWN_PARAMETER}: {err}") from None
-    else:
-        raise AssertionError(f"gcomp.create({name!r}, {UNKNOWN_PARAMETER}=1) did not raise ValueError")
+    message = _refusal(lambda: gcomp.create(name, **{UNKNOWN_PARAMETER: 1}), f"gcomp.create({name!r}, "
+                       f"{UNKNOWN_PARAMETER}=1)")
+    if UNKNOWN_PARAMETER not in message:
+        raise AssertionError(f"the refusal does not name {UNKNOWN_PARAMETER}: {message}")
 
 
 def check_unknown_method(name: str) -> None:
@@ -135,15 +128,11 @@ def check_unknown_method(name: str) -> None:
     typo = name[:-1] + ("x" if name[-1] != "x" else "y")
     if typo in gcomp.available():
         raise Skip(f"{typo!r} is itself registered")
-    try:
-        gcomp.create(typo)
-    except gcomp.UnknownMethodError as err:
-        if not isinstance(err, ValueError):
-            raise AssertionError("UnknownMethodError is not a ValueError") from None
-        if repr(name) not in str(err):
-            raise AssertionError(f"the refusal of {typo!r} does not name {name!r}: {err}") from None
-    else:
-        raise AssertionError(f"gcomp.create({typo!r}) did not raise UnknownMethodError")
+    if not issubclass(gcomp.UnknownMethodError, ValueError):
+        raise AssertionError("UnknownMethodError is not a ValueError")
+    message = _refusal(lambda: gcomp.create(typo), f"gcomp.create({typo!r})", gcomp.UnknownMethodError)
+    if repr(name) not in message:
+        raise AssertionError(f"the refusal of {typo!r} does not name {name!r}: {message}")
 
 
 def check_describe(name: str) -> None:

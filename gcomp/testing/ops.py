@@ -1,13 +1,6 @@
-"""What one bucket's reduction costs, counted on any machine: its aten operations (on an accelerator each is a kernel
-launch) and those of them that synchronise the host with a CUDA device.
-
-``count_reduction`` runs a method through a ``HookState`` on a bucket of ``params`` parameters and ``numel``
-entries, its collectives waited for at launch so that their callbacks, the decodes, run on this thread, where a
-``TorchDispatchMode`` sees every operation. It needs a process group of one rank (``gcomp.testing.run_ranks``).
-
-A codec is bucket-wide when its count does not grow with the bucket's number of parameters or entries, and
-synchronises only where a method declares it (``Traits.host_syncs``: ``threshold``'s counts).
-"""
+"""What one bucket's reduction costs, counted on any machine: its aten operations (on an accelerator each a kernel
+launch) and those that synchronise the host with a CUDA device. A codec is bucket-wide when its count does not grow
+with the bucket's parameters or entries, and synchronises only where it declares it (``Traits.host_syncs``)."""
 from __future__ import annotations
 
 import collections
@@ -34,8 +27,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every aten operation dispatched on this thread (``ops``); ``syncs`` holds the host synchronisations
-    ``counting`` found."""
+    """Every aten operation dispatched on this thread (``ops``); the host synchronisations ``counting`` found."""
 
     def __init__(self):
         super().__init__()
@@ -48,9 +40,8 @@ class OpCounter(TorchDispatchMode):
 
 
 def _synchronising(events) -> collections.Counter:
-    """The ``SYNCING`` operations among the profiler's ``events``, each counted once: not inside another one (a
-    ``nonzero`` reads its count by a ``_local_scalar_dense`` of its own), but at any depth inside other operations
-    (``segment_reduce`` checking its lengths on the host)."""
+    """The ``SYNCING`` operations among the profiler's ``events``, at any depth, but not inside another one (a
+    ``nonzero`` reads its count by a ``_local_scalar_dense`` of its own)."""
     found: collections.Counter = collections.Counter()
     for event in events:
         name = event.name.removeprefix("aten::")
@@ -65,37 +56,38 @@ def _synchronising(events) -> collections.Counter:
 
 
 @contextmanager
-def counting() -> Iterator[OpCounter]:
-    """An ``OpCounter`` over the block: its aten operations as dispatched, and its host synchronisations as the
-    profiler sees them, at every level (``_synchronising``), with ``Tensor.tolist``, ``.numpy`` and ``.cpu``
-    counted as host reads (they dispatch nothing on a CPU tensor, and synchronise with a CUDA one)."""
-    counter = OpCounter()
-    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-
-    def reading(name):
-        def read(self, *args, **kwargs):
-            counter.syncs[name] += 1
-            return saved[name](self, *args, **kwargs)
-        return read
-
-    for name in saved:
-        setattr(torch.Tensor, name, reading(name))
+def _patched(owner, names, wrap) -> Iterator[None]:
+    """``owner.name`` replaced by ``wrap(name, original)`` for each of ``names`` over the block."""
+    saved = {name: getattr(owner, name) for name in names if hasattr(owner, name)}
+    for name, fn in saved.items():
+        setattr(owner, name, wrap(name, fn))
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof, counter:
-            yield counter
+        yield
     finally:
         for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-    counter.syncs.update(_synchronising(prof.events()))
+            setattr(owner, name, fn)
 
 
 @contextmanager
-def inline_collectives() -> Iterator[None]:
-    """Every collective launched asynchronously is waited for before it returns, so that the callbacks chained on
-    its future (the decodes) run at once, on the launching thread."""
-    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+def counting() -> Iterator[OpCounter]:
+    """An ``OpCounter`` over the block: its aten operations, and its host synchronisations as the profiler sees them
+    (``_synchronising``) plus ``Tensor.tolist``, ``.numpy`` and ``.cpu`` (nothing dispatched on a CPU tensor)."""
+    counter = OpCounter()
 
-    def waited(fn):
+    def reading(name, fn):
+        def read(self, *args, **kwargs):
+            counter.syncs[name] += 1
+            return fn(self, *args, **kwargs)
+        return read
+
+    with _patched(torch.Tensor, HOST_READS, reading), profile(activities=[ProfilerActivity.CPU]) as prof, counter:
+        yield counter
+    counter.syncs.update(_synchronising(prof.events()))
+
+
+def inline_collectives():
+    """Every asynchronous collective waited for at launch: the callbacks on its future (decodes) run on this thread."""
+    def waited(name, fn):
         def call(*args, **kwargs):
             work = fn(*args, **kwargs)
             if kwargs.get("async_op") and work is not None:
@@ -103,18 +95,11 @@ def inline_collectives() -> Iterator[None]:
             return work
         return call
 
-    for name, fn in saved.items():
-        setattr(dist, name, waited(fn))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+    return _patched(dist, COLLECTIVES, waited)
 
 
 def holder(params: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A module of ``params`` matrices of 16 rows holding ``numel`` entries in all (``numel`` a multiple of 16
-    ``params``)."""
+    """``params`` matrices of 16 rows, ``numel`` entries in all (a multiple of 16 ``params``)."""
     module = torch.nn.Module()
     cols = numel // (16 * params)
     if cols < 1 or cols * 16 * params != numel:
@@ -126,10 +111,9 @@ def holder(params: int, numel: int, dtype: torch.dtype = torch.float32) -> torch
 
 def count_reduction(make: Callable[[], gcomp.MethodUnit], params: int, numel: int, warm_steps: int = 4,
                     prune: float = 0.5, seed: int = 0) -> dict:
-    """``{"ops": Counter, "syncs": Counter}`` of the reduction of one bucket of ``params`` parameters and ``numel``
-    fp32 entries through a ``HookState`` of ``make()``, on its device path, after ``warm_steps`` steps (so a
-    tracker has frozen its support and buffers are allocated). A method that reads pruning masks gets the model
-    pruned to ``prune`` at random first. One rank of a process group must be running."""
+    """``{"ops": Counter, "syncs": Counter}`` of one bucket of ``params`` parameters and ``numel`` fp32 entries
+    reduced through a ``HookState`` of ``make()`` after ``warm_steps`` steps (a tracker has frozen its support), the
+    model pruned to ``prune`` at random for a method that reads masks; on a one-rank process group."""
     module = holder(params, numel)
     method = make()
     if method.reads_model:  # the same masks on every rank, so that a packing method freezes and packs
@@ -150,19 +134,18 @@ def count_reduction(make: Callable[[], gcomp.MethodUnit], params: int, numel: in
     return {"ops": counter.ops, "syncs": counter.syncs}
 
 
-# the bucket shapes the device path is counted on: (parameters, entries)
+# the bucket shapes counted: (parameters, entries)
 CONFIGS = ((4, 1 << 16), (64, 1 << 16), (4, 1 << 24))
 
 
 def spec_maker(spec: str) -> Callable[[], gcomp.MethodUnit]:
-    """``gcomp.registry.from_spec(spec)``, as a callable ``count_reduction`` can make afresh."""
+    """``gcomp.registry.from_spec(spec)`` as a factory."""
     from gcomp.registry import from_spec
     return lambda: from_spec(spec)
 
 
 def job_device_counts(specs: list[str], configs=CONFIGS) -> dict:
-    """Every rank: ``count_reduction`` of each method spec on each ``(parameters, entries)`` bucket; returns
-    ``{(spec, parameters, entries): {"ops": {...}, "syncs": {...}}}`` as plain dicts."""
+    """``{(spec, parameters, entries): {"ops": {...}, "syncs": {...}}}`` of each spec and bucket."""
     out = {}
     for spec in specs:
         for params, numel in configs:
@@ -172,8 +155,8 @@ def job_device_counts(specs: list[str], configs=CONFIGS) -> dict:
 
 
 def check_bounded(spec: str, counts: dict, declared: int, configs=CONFIGS) -> None:
-    """AssertionError unless the device path's operations do not grow from the first bucket of ``configs`` to the
-    others (more parameters, more entries) and no bucket synchronises more than ``declared`` times."""
+    """AssertionError unless the operations do not grow from the first bucket of ``configs`` to the others (more
+    parameters, more entries) and no bucket synchronises more than ``declared`` times."""
     base = counts[(spec, *configs[0])]
     base_ops = sum(base["ops"].values())
     problems = []
@@ -188,4 +171,4 @@ def check_bounded(spec: str, counts: dict, declared: int, configs=CONFIGS) -> No
             problems.append(f"{params} parameters, {numel} entries: {syncs} host synchronisations {got['syncs']}, "
                             f"{declared} declared")
     if problems:
-        raise AssertionError(f"{spec} on its device path: " + "; ".join(problems))
+        raise AssertionError(f"{spec}: " + "; ".join(problems))

@@ -1,14 +1,5 @@
-"""The rank runner: run a function on N gloo ranks (127.0.0.1, a free port) and collect each rank's return value.
-
-Pools of worker processes (started with ``spawn``, so each imports what it runs afresh) are kept per world size
-for the whole process, so a check costs the work it does, not a process start; ``close_pools`` ends them (the
-test suite does so at the end of its session). A job that fails or hangs on any rank tears its pool down
-(gloo's own timeout ends a collective left waiting) and the next job starts a fresh one.
-
-A job is sent by reference: ``fn`` must be a module-level function of an importable module, and its arguments
-picklable. A job that cannot be pickled fails at once, here, with the reason; one that cannot be unpickled by a
-worker (a module the worker cannot import) fails with the worker's traceback.
-"""
+"""The rank runner: a module-level function run on N gloo ranks (127.0.0.1), each rank's return value collected, by
+pools of ``spawn``-ed processes kept per world size (``close_pools`` ends them; a failed or hung job, its pool)."""
 from __future__ import annotations
 
 import io
@@ -34,12 +25,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serialise(value) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
 def _worker(rank: int, world: int, port: int, jobs, results) -> None:
     import torch.distributed as dist
 
@@ -52,14 +37,12 @@ def _worker(rank: int, world: int, port: int, jobs, results) -> None:
             break
         try:
             fn, args, kwargs = pickle.loads(job)
-            results.put((rank, True, _serialise(fn(*args, **kwargs))))
+            buf = io.BytesIO()
+            torch.save(fn(*args, **kwargs), buf)
+            results.put((rank, True, buf.getvalue()))
         except BaseException:  # noqa: BLE001 -- every failure goes back to the caller
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
-
-
-def _describe(fn) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 class RankPool:
@@ -85,13 +68,14 @@ class RankPool:
             os.environ.update(env)
 
     def run(self, fn, *args, timeout: float = 120, **kwargs) -> list:
-        """``fn(*args, **kwargs)`` on every rank; their results in rank order, or AssertionError with every
-        failed rank's traceback (the pool is then closed)."""
+        """``fn(*args, **kwargs)`` on every rank: results in rank order, or AssertionError with each failed rank's
+        traceback (the pool is closed)."""
         try:
             job = pickle.dumps((fn, args, kwargs))
         except Exception as err:  # a lambda, a local function, an open file...: it would never reach the ranks
-            raise TypeError(f"{_describe(fn)} cannot be sent to the rank processes ({type(err).__name__}: {err}); "
-                            "jobs go by reference: a module-level function, with picklable arguments") from None
+            raise TypeError(f"{getattr(fn, '__qualname__', None) or repr(fn)} cannot be sent to the rank processes "
+                            f"({type(err).__name__}: {err}); jobs go by reference: a module-level function, with "
+                            "picklable arguments") from None
         for q in self.jobs:
             q.put(job)
         out, errors = {}, {}
@@ -136,10 +120,8 @@ _pools: dict[int, RankPool] = {}
 
 
 def run_ranks(world: int, fn, *args, fresh: bool = False, timeout: float = 120, **kwargs) -> list:
-    """Call ``fn(*args, **kwargs)`` on each of ``world`` ranks (1 to 8); return their results in rank order.
-
-    ``fn`` must be importable (a module-level function). ``fresh=True`` uses a new process group, closed after.
-    """
+    """``fn(*args, **kwargs)`` on each of ``world`` ranks (1 to 8), results in rank order; ``fresh=True``: a new
+    process group, closed after."""
     if fresh:
         pool = RankPool(world)
         try:
@@ -163,8 +145,7 @@ _outcomes: dict = {}
 
 
 def run_ranks_once(key, world: int, fn, *args, **kwargs) -> list:
-    """``run_ranks`` once per ``key`` in a process (a test session): later calls reuse its result, or its failure
-    (each caller that needs a failed job fails, naming the key)."""
+    """``run_ranks`` once per ``key`` in a process (a test session): later calls reuse its result, or its failure."""
     if key not in _outcomes:
         try:
             _outcomes[key] = (True, run_ranks(world, fn, *args, **kwargs))
@@ -172,5 +153,5 @@ def run_ranks_once(key, world: int, fn, *args, **kwargs) -> list:
             _outcomes[key] = (False, err)
     ok, value = _outcomes[key]
     if not ok:
-        raise AssertionError(f"rank job {key} failed") from value
+        raise AssertionError(f"rank job {key} failed: {value}") from value
     return value

@@ -1,20 +1,23 @@
-"""What ``check_method`` hands back: the eight contracts by number and name, one ``Result`` per (contract,
-configuration), the ``Report`` holding them, ``ContractError`` listing every failure, and ``Skip``, which a
-check raises when it does not apply to the method (with the reason)."""
+"""What ``check_method`` hands back: the contracts, a ``Result`` per (contract, configuration), the ``Report``,
+``ContractError`` listing every failure; and ``Skip``, raised by a check that does not apply (with the reason)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# number -> (key, what the contract asserts), in the order of docs/design.md's section on the contracts.
+# number -> (key, what the contract asserts)
 CONTRACTS = {
-    1: ("reduce", "shape, dtype and device kept; every rank gets the same result, the mean"),
+    1: ("reduce", "shape, dtype and device kept; every rank gets the same result, the mean of what they sent"),
     2: ("replicas", "replicas identical after DDP training; the statistics right"),
     3: ("homomorphism", "all-reduce codecs: decoding the sum of payloads is the sum of decoded payloads"),
     4: ("lossless", "lossless methods equal the dense mean and plain DDP"),
-    5: ("conservation", "error feedback: decoded payload plus new residual is gradient plus old residual"),
+    5: ("conservation", "error feedback: what was sent plus what is held back is the gradient plus what was held"),
     6: ("nonfinite", "a NaN or infinity on one rank surfaces on every rank"),
     7: ("state_dict", "a checkpoint resumed on a fresh model and hook is bit-identical to a run never stopped"),
     8: ("configuration", "bad configuration fails early and clearly"),
+    9: ("fidelity", "the result keeps the error model the compressor declares (traits.fidelity)"),
+    10: ("bytes", "bytes_sent of a bucket is traits.wire_bytes(bucket, world)"),
+    11: ("fsdp", "FSDP2's reduce-scatter: this rank's shard of the sum as the error model says, error feedback "
+                 "conserved, a non-finite entry on its shard, AVG divided by the shard count"),
 }
 NUMBERS = {key: number for number, (key, _) in CONTRACTS.items()}
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
@@ -27,8 +30,7 @@ class Skip(Exception):
 
 @dataclass(frozen=True)
 class Result:
-    """One (contract, configuration) checked: ``status`` is ``"passed"``, ``"failed"`` or ``"skipped"``;
-    ``detail`` the failure's message, the reason for a skip, or a note on a pass (what was left out)."""
+    """One (contract, configuration): passed, failed or skipped; ``detail`` the message, reason or note."""
 
     contract: str
     config: str
@@ -57,25 +59,10 @@ class Report:
         self.results.append(result)
         return result
 
-    def _with(self, status: str) -> list[Result]:
-        return [r for r in self.results if r.status == status]
-
-    @property
-    def passed(self) -> list[Result]:
-        return self._with(PASSED)
-
-    @property
-    def failures(self) -> list[Result]:
-        return self._with(FAILED)
-
-    @property
-    def skipped(self) -> list[Result]:
-        return self._with(SKIPPED)
-
-    @property
-    def ok(self) -> bool:
-        """No failure (skips are not failures)."""
-        return not self.failures
+    passed = property(lambda self: [r for r in self.results if r.status == PASSED])
+    failures = property(lambda self: [r for r in self.results if r.status == FAILED])
+    skipped = property(lambda self: [r for r in self.results if r.status == SKIPPED])
+    ok = property(lambda self: not self.failures, doc="No failure (skips are not failures).")
 
     def failed_contracts(self) -> list[str]:
         """The keys of the contracts with a failure, in contract order."""

@@ -1,6 +1,5 @@
-"""Which method a check runs, in a form the worker processes rebuild it from: a registered name, or a
-module-level factory named by its module and qualified name (never the function object itself, so a job
-always reaches the workers, and a factory they cannot import fails with their traceback)."""
+"""Which method a check runs, in a form the worker processes rebuild it from: a registered name (with parameters),
+or a module-level factory named by its module and qualified name."""
 from __future__ import annotations
 
 import importlib
@@ -9,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import gcomp
+from gcomp.fsdp.install import config_label
 from gcomp.registry import load_entry_points
 
 
@@ -45,25 +45,22 @@ def _reference(factory: Callable) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class MethodSource:
-    """A method the checks can create in this process and in every rank process.
-
-    ``name``: a registered method (``gcomp.create(name)``); else ``factory``: ``(module, qualname)`` of a
-    module-level callable taking no arguments. ``path``: this process's ``sys.path`` when the source was made;
-    a worker started before a plugin's directory was put on ``sys.path`` appends what it lacks of it (and
-    reloads the ``gcomp.methods`` entry points) when it cannot find the method.
-    """
+    """A method the checks create in this process and in every rank process: ``name`` (``gcomp.create(name,
+    **params)``), else ``factory``, ``(module, qualname)`` of a module-level callable taking no arguments. ``path``:
+    this process's ``sys.path``, which a worker started before a plugin's directory was on it appends."""
 
     name: str | None = None
     factory: tuple[str, str] | None = None
     path: tuple[str, ...] = ()
+    params: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
-    def of(cls, name_or_factory: str | Callable) -> "MethodSource":
+    def of(cls, name_or_factory: str | Callable, **params) -> "MethodSource":
         """A source for a registered name or a module-level factory (TypeError for anything else)."""
         if isinstance(name_or_factory, MethodSource):
             return name_or_factory
         if isinstance(name_or_factory, str):
-            return cls(name=name_or_factory, path=tuple(sys.path))
+            return cls(name=name_or_factory, path=tuple(sys.path), params=tuple(params.items()))
         if not callable(name_or_factory):
             raise TypeError("gcomp.testing: expected a registered method name or a module-level callable that "
                             f"returns a configured method; got {type(name_or_factory).__name__}")
@@ -71,46 +68,41 @@ class MethodSource:
 
     @property
     def label(self) -> str:
-        """The name, or ``module:qualname`` of the factory."""
-        return self.name if self.name is not None else ":".join(self.factory)
+        """The name (``name:key=value,...`` with parameters), or ``module:qualname`` of the factory."""
+        return config_label(self.name, dict(self.params)) if self.name is not None else ":".join(self.factory)
 
     @property
     def registered(self) -> bool:
         return self.name is not None
 
     def _extend_path(self) -> None:
+        """This process's ``sys.path`` extended by the source's (a plugin found after the process started)."""
         missing = [p for p in self.path if p not in sys.path]
         if missing:
             sys.path.extend(missing)
             importlib.invalidate_caches()
-
-    def _find_name(self) -> None:
-        """Make a name registered in the parent process known here too (a plugin found after this process
-        started); an unknown name is left for ``gcomp.create`` to refuse."""
-        if self.name not in gcomp.available() and self.path:
-            self._extend_path()
             load_entry_points(force=True)
 
     def create(self) -> Any:
-        """A fresh, configured method (``gcomp.create(name)``, or the factory called)."""
+        """A fresh, configured method."""
         if self.name is not None:
-            self._find_name()
-            return gcomp.create(self.name)
+            if self.name not in gcomp.available():
+                self._extend_path()  # an unknown name is left for gcomp.create to refuse
+            return gcomp.create(self.name, **dict(self.params))
         try:
             factory = _resolve(*self.factory)
         except ImportError:
-            if not self.path:
-                raise
             self._extend_path()
             factory = _resolve(*self.factory)
         return factory()
 
-    def install(self, ddp_model, **params) -> gcomp.HookState:
-        """``gcomp.install`` of this method on ``ddp_model`` (a name with ``params``, else the factory's method)."""
-        if self.name is not None:
-            self._find_name()
-            return gcomp.install(ddp_model, self.name, **params)
-        return gcomp.install(ddp_model, self.create(), **params)
+    def install(self, model, **params) -> Any:
+        """``gcomp.install`` of this method on ``model`` (a name with ``params``, else the factory's method)."""
+        if self.name is None:
+            return gcomp.install(model, self.create(), **params)
+        if self.name not in gcomp.available():
+            self._extend_path()
+        return gcomp.install(model, self.name, **{**dict(self.params), **params})
 
 
 def as_source(method: str | MethodSource) -> MethodSource:

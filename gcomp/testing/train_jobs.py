@@ -1,9 +1,5 @@
 """The rank jobs of contracts 2, 4 and 7: DDP training with the method's hook, plain DDP next to it, and
-checkpoints resumed on a fresh model and hook.
-
-Module-level, so ``gcomp.testing.ranks.run_ranks`` can send them; each runs several configurations per call.
-``gcomp.testing.process_checks`` reads their results.
-"""
+checkpoints resumed on a fresh model and hook; several configurations per call (``process_checks`` reads them)."""
 from __future__ import annotations
 
 import io
@@ -33,10 +29,8 @@ def _train_one(source: MethodSource | None, several: bool, static: bool, steps: 
 
 def job_train(method: str | MethodSource, configs: list[tuple[bool, bool]] = tuple(TRAIN_CONFIGS),
               reference: bool = False, steps: int = TRAIN_STEPS, seed: int = 0) -> dict:
-    """Contracts 2 and 4 in DDP: train each ``(several_buckets, static_graph)`` configuration.
-
-    With ``reference`` a plain DDP run (no hook) of the same configuration is returned too.
-    """
+    """Contracts 2 and 4: each ``(several_buckets, static_graph)`` configuration trained; with ``reference`` a plain
+    DDP run (no hook) of it too."""
     source = as_source(method)
     out = {}
     for several, static in configs:
@@ -46,9 +40,8 @@ def job_train(method: str | MethodSource, configs: list[tuple[bool, bool]] = tup
     return out
 
 
-# name -> (DDP options, steps between checkpoints). "rebuilt": plain DDP, whose fresh model starts again from its
-# initial bucket layout while the run that never stopped is on the rebuilt one (the hook reduces it as the saved
-# layouts, gcomp.resume_layouts). "fixed": find_unused_parameters, one layout throughout (and no warm-up).
+# name -> (DDP options, steps between checkpoints). "rebuilt": plain DDP, the fresh model on its initial buckets
+# (reduced as the saved layouts, gcomp.resume_layouts). "fixed": find_unused_parameters, one layout throughout.
 # "chained": a checkpoint after every step, one with no step in between; its first before DDP's rebuild.
 RESUMES = {
     "rebuilt": ({}, [RESUME_AT, RESUME_STEPS]),
@@ -58,15 +51,14 @@ RESUMES = {
     "chained": ({}, [1, 1, 0, 1, 1]),
     "chained-static": ({"static_graph": True}, [1, 1, 0, 1, 1]),
 }
-# the resumes whose buckets are laid out as the saved run's: every method keeps the contract there; the chained
-# ones checkpoint before DDP's rebuild, so their first resumed step is on DDP's first bucket
+# the resumes whose buckets are laid out as the saved run's (the chained ones resume on DDP's first bucket)
 LAYOUT_KEPT = ("rebuilt", "fixed", "fixed-several")
 RESUME_WORLD = 2
 
 
 def _resumed_run(source: MethodSource, kwargs: dict, schedule: list[int], seed: int) -> tuple[torch.Tensor, int]:
-    """Train ``schedule[0]`` steps, then for each later entry: checkpoint (torch.save, then torch.load with
-    weights_only=True), build a fresh model, DDP and hook from it, and train that many more steps."""
+    """Train ``schedule[0]`` steps, then per later entry: checkpoint (torch.save, torch.load(weights_only=True)),
+    a fresh model, DDP and hook from it, that many more steps."""
     model = models.ddp(models.mlp(seed), **kwargs)
     state = source.install(model)
     models.train(model, schedule[0])
@@ -87,9 +79,8 @@ def _resumed_run(source: MethodSource, kwargs: dict, schedule: list[int], seed: 
 
 
 def job_resume(methods: list, seed: int = 0) -> dict:
-    """Contract 7: every ``RESUMES`` case against the same number of steps without stopping (run on
-    ``RESUME_WORLD`` ranks). ``methods``: registered names or ``MethodSource``s; results keyed by
-    ``(method as given, flavour)``."""
+    """Contract 7: every ``RESUMES`` case against as many steps without stopping; ``methods``: names or
+    ``MethodSource``s; results keyed by ``(method as given, flavour)``."""
     out = {}
     for method in methods:
         source = as_source(method)
