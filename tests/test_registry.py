@@ -13,7 +13,7 @@ import pytest
 import gcomp
 import gcomp.registry
 from gcomp.collectives import AllreduceCommunicator
-from gcomp.compressors.identity import IdentityCompressor
+from gcomp.compressors.cast import CastCompressor
 
 BUILTINS = ("bf16", "fp16", "identity", "topk")
 
@@ -151,7 +151,7 @@ def _register_scaled(name: str, calls: list):
         Second paragraph, not in the summary.
         """
         calls.append((gain, mode, rounds))
-        return gcomp.Method(IdentityCompressor(), NoMemory(), AllreduceCommunicator())
+        return gcomp.Method(CastCompressor(), gcomp.NoMemory(), AllreduceCommunicator())
 
     return scaled
 
@@ -197,7 +197,7 @@ def test_duplicate_name_raises_unless_override(scratch_registry):
 
     def other() -> gcomp.Method:
         """Another one."""
-        return gcomp.Method(IdentityCompressor(), NoMemory(), AllreduceCommunicator())
+        return gcomp.Method(CastCompressor(), gcomp.NoMemory(), AllreduceCommunicator())
 
     with pytest.raises(ValueError, match="already registered"):
         gcomp.register("test-dup")(other)
@@ -213,7 +213,7 @@ def test_builtin_name_cannot_be_taken_silently(scratch_registry):
     topk = gcomp.spec("topk")
 
     def fake() -> gcomp.Method:
-        return gcomp.Method(IdentityCompressor(), NoMemory(), AllreduceCommunicator())
+        return gcomp.Method(CastCompressor(), gcomp.NoMemory(), AllreduceCommunicator())
 
     with pytest.raises(ValueError, match="topk"):
         gcomp.register("topk")(fake)
@@ -222,7 +222,7 @@ def test_builtin_name_cannot_be_taken_silently(scratch_registry):
 
 def test_factory_parameter_without_default_raises_type_error(scratch_registry):
     def nodefault(ratio: float) -> gcomp.Method:
-        return gcomp.Method(IdentityCompressor(), NoMemory(), AllreduceCommunicator())
+        return gcomp.Method(CastCompressor(), gcomp.NoMemory(), AllreduceCommunicator())
 
     with pytest.raises(TypeError, match="ratio"):
         gcomp.register("test-nodefault")(nodefault)
@@ -273,24 +273,24 @@ from typing import Annotated
 
 import gcomp
 from gcomp.collectives import AllreduceCommunicator
-from gcomp.compressors.identity import IdentityCompressor
+from gcomp.compressors.cast import CastCompressor
 
 
 def make(scale: Annotated[float, gcomp.Range(0, 1)] = 0.5) -> gcomp.Method:
     """A plugin method declared by an entry point that names its factory."""
-    return gcomp.Method(IdentityCompressor(), NoMemory(), AllreduceCommunicator())
+    return gcomp.Method(CastCompressor(), gcomp.NoMemory(), AllreduceCommunicator())
 '''
 
 SELF_REGISTERING_MODULE = '''
 import gcomp
 from gcomp.collectives import AllreduceCommunicator
-from gcomp.compressors.identity import IdentityCompressor
+from gcomp.compressors.cast import CastCompressor
 
 
 @gcomp.register("{name}")
 def selfreg() -> gcomp.Method:
     """A plugin method that registers itself when its module is imported."""
-    return gcomp.Method(IdentityCompressor(), NoMemory(), AllreduceCommunicator())
+    return gcomp.Method(CastCompressor(), gcomp.NoMemory(), AllreduceCommunicator())
 '''
 
 
