@@ -589,3 +589,28 @@ def test_resume_without_the_hook_state_diverges():
     its trajectory."""
     for run in _resumed("ternary-frozen-no-hook-state"):
         assert not torch.equal(run["resumed"]["0.weight_orig"], run["straight"]["0.weight_orig"])
+
+
+def test_flush_hands_the_carried_residual_over_at_its_kept_positions():
+    """``auto`` hands what a method holds back to the next one (``flush``): ternary error feedback's residual lives
+    on the packed support, so it comes back laid out in the bucket; what was decoded plus it is every step's
+    gradient, and a second flush holds nothing."""
+    from gcomp.collectives.reduce import ChainedAllreduceCommunicator
+    from gcomp.compressors.pactrain import PacTrainMethod
+    from gcomp.core import NoMemory
+
+    model, info, support = _tiny_pruned()
+    comps = _compressors(1, model, ternary=True, error_feedback=True)
+    method = PacTrainMethod(comps[0], NoMemory(), ChainedAllreduceCommunicator())
+    g = torch.Generator().manual_seed(5)
+    _reach("ternary", comps, info, [torch.randn(info.numel, generator=g) * support])
+    method.flush(info, torch.zeros(info.numel))  # what the steps so far held back, handed over: from here on, none
+    given, decoded = torch.zeros(info.numel, dtype=torch.float64), torch.zeros(info.numel, dtype=torch.float64)
+    for _ in range(3):
+        grad = torch.randn(info.numel, generator=g) * support
+        given += grad.double()
+        decoded += _exchange(comps, info, [grad])[1][0].double()
+    held = method.flush(info, torch.zeros(info.numel))
+    assert held[~support].eq(0).all() and held.abs().sum() > 0
+    torch.testing.assert_close(decoded + held.double(), given, rtol=0, atol=1e-5)
+    assert method.flush(info, torch.zeros(info.numel)) is None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Annotated
 
+import torch
+
 from gcomp.collectives.reduce import ChainedAllreduceCommunicator
 from gcomp.compressors.pactrain.codec import PacTrainCompressor
 from gcomp.compressors.pactrain.tracker import ENTRIES, GROUPS, MaskTracker
@@ -40,6 +42,18 @@ class PacTrainMethod(Method):
     @property
     def serves_fsdp(self) -> bool:
         return super().serves_fsdp and self.compressor.tracker.granularity == ENTRIES
+
+    def flush(self, bucket, like):
+        """What the ternary path carries for ``bucket`` (its error feedback, or the excess a carried scale clipped),
+        laid out in the bucket at its kept positions, removed: ``auto`` hands it to the next method."""
+        track = self.compressor.tracker.tracks.get(bucket.key)
+        carry = None if track is None or track.support is None else track.carry
+        if carry is None or carry.residual is None:
+            return None
+        out = torch.zeros(bucket.numel, dtype=like.dtype, device=like.device)
+        out.index_put_((track.support.positions.long(),), carry.residual.to(like.dtype), accumulate=True)
+        carry.residual = None
+        return out
 
 
 ROUNDS_HELP = ("ternary: 1, one all-reduce with the scale carried from the step before (a value above it is "
