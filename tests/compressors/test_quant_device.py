@@ -1,6 +1,6 @@
 """The quantisers' one implementation (``qsgd``, ``terngrad`` in both forms, ``natural``), codec by codec in one
 process: a fixed number of operations and no host read whatever the bucket's parameters and entries, and random
-streams that resume bit for bit from ``state_dict``. (``tests/test_device_path.py`` counts the whole reduction on
+streams that resume bit for bit from ``state_dict``. (``tests/test_bucket_wide.py`` counts the whole reduction on
 gloo ranks.)"""
 from __future__ import annotations
 
