@@ -8,24 +8,12 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import prune
 
 from gcomp.pruning import masks as ddp_options
 from gcomp.pruning import no_buffer_sync
-
-
-@pytest.fixture
-def group(tmp_path):
-    """The default group of this process (one rank), for the test only."""
-    assert not dist.is_initialized(), "a default process group was left behind by an earlier test"
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _pruned_model() -> nn.Module:

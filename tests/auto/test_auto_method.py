@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import gcomp
 import gcomp.auto.chooser as auto_chooser
@@ -22,17 +21,6 @@ MB = 1_000_000
 def hand_built_methods():
     with hand_built():
         yield
-
-
-@pytest.fixture
-def group(tmp_path):
-    """The default group of this process (one rank), for the test only."""
-    assert not dist.is_initialized(), "a default process group was left behind by an earlier test"
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tee_stats_count_apart_and_into_the_parent():
