@@ -30,11 +30,19 @@ def fsdp_configs() -> tuple[tuple[str, str, dict], ...]:
 
 
 def check_serves_fsdp(method: MethodUnit) -> None:
-    """A ValueError naming the methods that serve FSDP2 when ``method`` does not."""
-    if not method.serves_fsdp:
-        raise ValueError(f"{method.name} cannot serve FSDP2's reduce-scatter (fully_shard); the methods that can: "
-                         f"{', '.join(fsdp_methods())}. Under DDP every method works (gcomp.install on a "
-                         "DistributedDataParallel model)")
+    """A ValueError naming the methods that serve FSDP2 when ``method`` does not; for a method that serves it with its
+    defaults, the parameters given otherwise, with their help."""
+    if method.serves_fsdp:
+        return
+    if method.name in fsdp_methods():
+        found = spec(method.name).params
+        changed = [f"{n}={v!r} ({found[n].help})" for n, v in method.params.items()
+                   if n in found and v != found[n].default]
+        raise ValueError(f"{method.name} under FSDP2 cannot take {', '.join(changed) or 'these parameters'}: it serves "
+                         "FSDP2's reduce-scatter (fully_shard) with its default there; under DDP it takes any")
+    raise ValueError(f"{method.name} cannot serve FSDP2's reduce-scatter (fully_shard); the methods that can: "
+                     f"{', '.join(fsdp_methods())}. Under DDP every method works (gcomp.install on a "
+                     "DistributedDataParallel model)")
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:

@@ -198,9 +198,10 @@ class DiLoCo(RunState):
         saved.check_outer(self, self._loaded)
 
 
-def local_hook(inner_group, bucket: dist.GradBucket):
-    """A trainer's DDP hook under DiLoCo: each bucket averaged over ``inner_group`` (None: left as it is). (No return
-    annotation: DDP would compare a postponed one with ``Future[Tensor]`` and refuse it.)"""
+def local_hook(inner_group, bucket):
+    """A trainer's DDP hook under DiLoCo: each bucket (a ``dist.GradBucket``) averaged over ``inner_group`` (None:
+    left as it is). (No annotations: DDP compares them with ``GradBucket`` and ``Future[Tensor]``, and this module's
+    are postponed strings, which it refuses.)"""
     buffer = bucket.buffer()
     if inner_group is None:
         done = torch.futures.Future()

@@ -28,7 +28,7 @@ def _results(world: int) -> list[dict]:
 
 
 def test_the_suite_runs_every_method_and_variant():
-    assert {MethodSource.of(n).label for n in fsdp_methods()} <= set(CONFIGS) and set(fsdp_methods()) >= {"fp16"}
+    assert {MethodSource.of(n, **PARAMS.get(n, {})).label for n in fsdp_methods()} <= set(CONFIGS) and set(fsdp_methods()) >= {"fp16"}
     if "pactrain" in fsdp_methods():
         assert {"pactrain:ternary=true", "pactrain:ternary=true,rounds=2",
                 "pactrain:ternary=true,error_feedback=true"} <= set(CONFIGS)
@@ -108,9 +108,11 @@ def test_ternary_bytes_per_call_equal_the_formula(name, world):
         one = ternary_call_bytes(world, run["mask"], params, one_round=True)
         # the first packed call takes the exact scale in two rounds; later ones one round, unless rounds=2
         assert run["call_bytes"] == ([two, two, two] if "rounds=2" in name else [two, one, one])
-        # calls 2 and 3, the draws of the unbiased check, then the NaN and AVG calls
-        assert run["stats"]["one_round_buckets"] == (0 if "rounds=2" in name else 4 + fidelity.DRAWS)
-        assert run["stats"]["scale_resyncs"] == 0
+        # calls 2 and 3, the draws of the unbiased check, then the NaN and AVG calls; the draws' input (plain normal)
+        # is not the calls' (four decades apart), so its first call may take the exact scale again, once
+        resyncs = run["stats"]["scale_resyncs"]
+        assert resyncs <= (0 if "rounds=2" in name else 1)
+        assert run["stats"]["one_round_buckets"] == (0 if "rounds=2" in name else 4 + fidelity.DRAWS - resyncs)
 
 
 def job_refusals() -> dict:
@@ -146,7 +148,7 @@ def test_refusals_at_install():
     assert kind == "ValueError" and "topk cannot serve FSDP2" in text
     assert all(m in text for m in fsdp_methods())
     assert out["ternary"] is None  # pactrain's ternary path serves FSDP2 (it was refused before)
-    assert "teams=1" in out["teams"][1]
+    assert "cannot take teams=2" in out["teams"][1] and "FSDP2: 1" in out["teams"][1]
     for key in ("unknown", "bad_param", "unknown_param"):
         assert out[key] == out[key + "_create"]  # the registry's own error, as under DDP
     assert "already installed" in out["twice"]

@@ -36,14 +36,16 @@ def test_bench_fsdp_accepts_its_defaults_and_ternary_and_refuses_what_cannot_run
 
 
 class _Recorder:
-    """A method whose reduce-scatter records what it is handed and returns this rank's row of it."""
+    """A method that records the rows it is handed and returns this rank's row of them."""
 
     def __init__(self, lossless: bool):
         self.lossless, self.seen = lossless, None
 
-    def reduce_scatter(self, output, input, layout, group, stats):
-        self.seen = input.clone()
-        output.copy_(input.view(layout.world, -1)[layout.rank])
+    def reduce(self, buffer, layout, group, stats):
+        self.seen = buffer.clone()
+        done = torch.futures.Future()
+        done.set_result(buffer.view(layout.world, -1)[layout.rank].clone())
+        return done
 
 
 def test_a_lossy_method_encodes_the_mean_and_a_lossless_one_divides_the_sum():

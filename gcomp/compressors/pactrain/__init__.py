@@ -45,16 +45,21 @@ class PacTrainMethod(Method):
 
     def flush(self, bucket, like):
         """What the ternary path carries for ``bucket`` (its error feedback, or the excess a carried scale clipped),
-        laid out in the bucket at its kept positions, removed: ``auto`` hands it to the next method."""
-        track = self.compressor.tracker.tracks.get(bucket.key)
-        carry = None if track is None or track.support is None else track.carry
-        if carry is None or carry.residual is None:
+        laid out in the bucket (or FSDP2's whole input, ``bucket`` its pieces) at its kept positions, removed: ``auto``
+        hands it to the next method."""
+        for key, track in self.compressor.tracker.tracks.items():
+            rows = getattr(track.support, "layout", None)  # FSDP2's ShardSupport, keyed by its parameters
+            if key == bucket.key or (rows is not None and rows.pieces.key == bucket.key):
+                break
+        else:
             return None
+        if track.carry.residual is None:
+            return None
+        face = track.support if rows is None else track.support.ternary
         out = torch.zeros(bucket.numel, dtype=like.dtype, device=like.device)
-        out.index_put_((track.support.positions.long(),), carry.residual.to(like.dtype), accumulate=True)
-        carry.residual = None
+        out.index_put_((face.positions.long(),), track.carry.residual.to(like.dtype), accumulate=True)
+        track.carry.residual = None
         return out
-
 
 ROUNDS_HELP = ("ternary: 1, one all-reduce with the scale carried from the step before (a value above it is "
                "clipped and its excess carried to the rank's next step); 2, the exact shared scale first, unbiased "

@@ -15,7 +15,8 @@ from gcomp.registry import register
 
 @register("spardl", paper="Zhao et al., SparDL, arXiv 2304.00737 (2023)")
 def spardl(density: Annotated[float, Range(0, 1, low_open=True), "fraction of each block's entries sent"] = 0.01,
-           teams: Annotated[int, Range(1, None), "teams for Spar-All-Gather (must divide the workers)"] = 1,
+           teams: Annotated[int, Range(1, None), "teams for Spar-All-Gather (must divide the workers; FSDP2: 1, its "
+                                                 "reduce-scatter has no all-gather across teams)"] = 1,
            positions: PositionsParam = "coded", values: ValuesParam = "fp32") -> Method:
     """SparDL: top-k per block by Spar-Reduce-Scatter (any worker count), optional Spar-All-Gather across
     teams, Bruck all-gather, and global residual collection; point-to-point messages only."""

@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from gcomp.collectives.program import ProgramCtx, ScheduledCompressor
 from gcomp.collectives.sparse_wire import SparseWire
@@ -85,16 +84,13 @@ class SparDLCompressor(ScheduledCompressor):
         self.wire = SparseWire(positions, values)
         self.budgets: dict[str, Budget] = {}
         self.traits = Traits(POINT_TO_POINT, self.wire.fidelity, Keeps.LAYOUT, slots=("residuals",), held=("residuals",),
-                             rows="native", decodes_alone=False, depends_on_layout=True)
+                             rows="native" if teams == 1 else None, decodes_alone=False, depends_on_layout=True)
 
     def bind(self, model, group, stats) -> None:
         world = dist.get_world_size(group)
         if world % self.teams:
             raise ValueError(f"spardl: parameter 'teams' must divide the number of workers ({world}); "
                              f"got {self.teams!r}")
-        if self.teams != 1 and isinstance(model, FSDPModule):
-            raise ValueError(f"spardl under FSDP2 takes teams=1 (its Spar-All-Gather across teams has no place in a "
-                             f"reduce-scatter); got teams={self.teams}")
 
     def geometry(self, numel: int, world: int) -> tuple[int, int, int]:
         """``(blocks Q, block size B, entries per block k)`` of a bucket of ``numel`` on ``world`` workers."""

@@ -43,7 +43,8 @@ class DGCCompressor(SparseCompressor):
         self.world_size, self.steps = 1, 0  # compressing steps begun (counted at bucket 0)
         self.stream = Stream(seed, "dgc", 0)
         wire = self.wire
-        fixed = None if warmup_steps else lambda bucket, world: wire.nbytes(bucket.numel, self.count(bucket.numel, 0))
+        fixed = None if warmup_steps else lambda bucket, world: wire.nbytes(bucket.numel, self.count(bucket.numel, 0),
+                                                                             bucket.dtype)
         self.traits = Traits(ALLGATHER, contraction(0), Keeps.RANK, slots=("momentum", "velocity"),
                              held=("velocity",), rows=None, wire_bytes=fixed)
 

@@ -66,7 +66,8 @@ class TopKCompressor(SparseCompressor):
         self.ratio = ratio
         wire = self.wire
         self.traits = Traits(ALLGATHER, wire.fidelity, rows=None,
-                             wire_bytes=lambda bucket, world: wire.nbytes(bucket.numel, top_count(bucket.numel, ratio)))
+                             wire_bytes=lambda bucket, world: wire.nbytes(bucket.numel, top_count(bucket.numel, ratio),
+                                                                     bucket.dtype))
 
     def encode(self, x, state, layout):
         flat = x.reshape(-1)
