@@ -2,7 +2,7 @@
 or entries) and no host synchronisation it does not declare (``traits.host_syncs``). The same code runs on a GPU, so
 counting it on the CPU counts what a GPU launches.
 
-The counts come from ``gcomp.testing.ops`` on 2 gloo ranks, one bucket of 4 or 64 parameters and of 64 K or 16 M
+The counts come from ``gcomp.testing.ops`` on 2 gloo ranks, one bucket of 4 or 64 parameters and of 64 K or 4 M
 fp32 entries (``CONFIGS``) after 4 warm-up steps."""
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ def count_reduction(make: Callable[[], gcomp.MethodUnit], params: int, numel: in
 
 
 # the bucket shapes counted: (parameters, entries)
-CONFIGS = ((4, 1 << 16), (64, 1 << 16), (4, 1 << 24))
+CONFIGS = ((4, 1 << 16), (64, 1 << 16), (4, 1 << 22))
 
 
 def spec_maker(spec: str) -> Callable[[], gcomp.MethodUnit]:
