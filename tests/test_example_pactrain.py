@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gcomp.collectives.bitpack import lane_bits, packed_words
-from gcomp.compressors.pactrain import codec as scale_grid
+from gcomp.compressors.pactrain import scale_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pactrain.py"

@@ -3,7 +3,7 @@
 
 The house's targets (``TARGETS``: ``topk`` under DDP 10 files, ``pactrain:ternary=true`` under DDP 14, ``randomk``
 under FSDP2 10) are the limits now; DiLoCo has no target and is kept from growing past its count when the targets
-were reached. Measured then: 9, 12, 9 and 13 files (docs/design.md §2 lists each route).
+were reached. Measured: 9, 13, 9 and 13 files (docs/design.md §2 lists each route).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Where a model's pruning masks live (``torch.nn.utils.prune``'s ``weight_orig`` and buffer ``weight_mask``), how
-one is chosen from scores, and a digest that tells whether ranks hold the same ones (``check_masks_agree``)."""
+one is chosen from scores, a digest that tells whether ranks hold the same ones (``check_masks_agree``), and DDP's
+buffer broadcasts: turned off (``no_buffer_sync``) or told from mask edits (``SyncBumps``)."""
 from __future__ import annotations
 
 import functools
@@ -117,3 +118,57 @@ def no_buffer_sync() -> dict:
     if _has_forward_sync_buffers():
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
+
+
+# --- DDP's buffer broadcasts, told from mask edits ------------------------------------------------------------
+
+class SyncBumps:
+    """Per mask (by identity), the version bumps DDP's own buffer broadcast made since ``watch``: torch up to 2.12
+    re-sends rank 0's buffers at each forward by an in-place copy, which bumps every mask's ``_version`` (torch 2.13
+    does not). A copy of rank 0's masks is no edit: an edit on rank 0 is flagged by rank 0. A forward pre-hook on
+    the DDP model (before its broadcast) reads the versions, one on the module it wraps (after it) counts the bumps."""
+
+    def __init__(self):
+        self.bumps: dict[int, int] = {}
+        self._before: list[tuple[torch.Tensor, int]] = []
+        self._handles: list = []
+
+    def watch(self, ddp: nn.Module) -> None:
+        """No hook when ``ddp`` does not re-send buffers (``no_buffer_sync()``: ``broadcast_buffers`` False)."""
+        self.close()
+        if not getattr(ddp, "broadcast_buffers", True):
+            return
+        module = ddp.module
+
+        def before(_module, _inputs):
+            self._before = [(m, m._version) for m in named_masks(module).values()]
+
+        def after(_module, _inputs):
+            for mask, version in self._before:
+                if mask._version != version:
+                    self.bumps[id(mask)] = self.bumps.get(id(mask), 0) + mask._version - version
+            self._before = []
+
+        self._handles = [ddp.register_forward_pre_hook(before), module.register_forward_pre_hook(after)]
+
+    def discount(self, mask: torch.Tensor) -> int:
+        return self.bumps.get(id(mask), 0)
+
+    def version_of(self, mask: torch.Tensor) -> tuple[int, int]:
+        """``mask``'s identity and its version less DDP's bumps: what replacing or editing it changes."""
+        return id(mask), mask._version - self.discount(mask)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._before = [], []
+
+    # a copy (a checkpoint's deepcopy, a pickled codec) watches nothing: its model is not the one watched
+    def __deepcopy__(self, memo) -> "SyncBumps":
+        return SyncBumps()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()

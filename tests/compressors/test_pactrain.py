@@ -18,7 +18,7 @@ from torch.nn.utils import prune
 from gcomp import BucketInfo
 from gcomp.collectives.bitpack import WORD_BITS, fields_per_word, lane_bits, pack, packed_words, unpack
 from gcomp.compressors.pactrain import PacTrainCompressor
-from gcomp.compressors.pactrain import codec as scale_grid
+from gcomp.compressors.pactrain import scale_grid
 from gcomp.pruning import mask_of
 from gcomp.registry import from_spec
 from gcomp.testing.ops import check_bounded

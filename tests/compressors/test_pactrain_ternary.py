@@ -1,5 +1,5 @@
 """pactrain's ternary path on one simulated rank: error feedback keeps exactly what the codes did not carry, one-round
-steps are counted; and its carried scale (``codec.grid_scale`` and the counting lanes in the step's SUM)."""
+steps are counted; and its carried scale (``scale_grid.grid_scale`` and the counting lanes in the step's SUM)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gcomp.compressors.pactrain import codec as grid
+from gcomp.compressors.pactrain import scale_grid as grid
 from tests.compressors.test_pactrain import _compressors, _exchange, _reach, _tiny_pruned
 
 POSITIVE = st.floats(min_value=2.0**-120, max_value=2.0**120, allow_nan=False, allow_infinity=False)

@@ -20,8 +20,9 @@ from torch.nn.utils import prune
 from gcomp import BucketInfo
 from gcomp.compressors.pactrain.support import bucket_support
 from gcomp.compressors.pactrain.tracker import (DENSE, PACKED, TRACKING, BucketTrack, Carry, HostFlags, MaskTracker,
-                                               Slot, SyncBumps, flag_set, receive_changed, receive_flags,
+                                               Slot, flag_set, receive_changed, receive_flags,
                                                tracking_flags)
+from gcomp.pruning.masks import SyncBumps
 from gcomp.testing.ops import counting
 
 STATS = ("freezes", "unfreezes", "mask_mismatches")

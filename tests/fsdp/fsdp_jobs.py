@@ -16,7 +16,7 @@ from gcomp.collectives import bitpack
 from gcomp.collectives.program import message_nbytes
 from gcomp.collectives.sparse_wire import SparseWire
 from gcomp.compressors.spardl.schedule import reduce_scatter_rounds
-from gcomp.compressors.pactrain import codec as scale_grid
+from gcomp.compressors.pactrain import scale_grid
 
 STEPS = 10
 PRUNE = 0.5

@@ -90,7 +90,7 @@ def ternary_call_bytes(world: int, mask: torch.Tensor, params: int, one_round: b
     """Bytes one packed ternary call hands to collectives (the codec's docstring): K the longest row's kept count,
     W its words of ``lane_bits(world)``-bit fields; one round: ``8 world (W + H + 3)``, H the counting lanes of
     ``params`` parameters; two rounds: ``4 (params + 2)`` (the MAX of the scales) + ``8 world W``."""
-    from gcomp.compressors.pactrain.codec import hist_words
+    from gcomp.compressors.pactrain.scale_grid import hist_words
     words = bitpack.packed_words(int(mask.sum(1).max()), bitpack.lane_bits(world))
     if one_round:
         return 8 * world * (words + hist_words(params, world) + 3)
