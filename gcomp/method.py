@@ -311,6 +311,11 @@ class EachRow:
     ctxs: list
 
 
+def _over_parts(trait: str, combine) -> property:
+    """A composite's ``trait``, ``combine`` (``all``, ``any``, ``sum``) of its parts' own."""
+    return property(lambda self: combine(getattr(p, trait) for p in self.parts))
+
+
 class Composite(MethodUnit):
     """A method whose ``parts`` are methods: lossless when all are, stateful (reading the model, depending on the
     layout, holding back gradient) when any is, decoded alone when all are, replicated when all are. A subclass
@@ -321,41 +326,16 @@ class Composite(MethodUnit):
     def parts(self) -> list[MethodUnit]:
         """The methods it is made of."""
 
-    @property
-    def decodes_alone(self) -> bool:
-        return all(p.decodes_alone for p in self.parts)
-
-    @property
-    def lossless(self) -> bool:
-        return all(p.lossless for p in self.parts)
-
-    @property
-    def stateful(self) -> bool:
-        return any(p.stateful for p in self.parts)
-
-    @property
-    def reads_model(self) -> bool:
-        return any(p.reads_model for p in self.parts)
-
-    @property
-    def depends_on_layout(self) -> bool:
-        return any(p.depends_on_layout for p in self.parts)
-
-    @property
-    def error_feedback(self) -> bool:
-        return any(p.error_feedback for p in self.parts)
-
-    @property
-    def host_syncs(self) -> int:
-        return sum(p.host_syncs for p in self.parts)
-
-    @property
-    def keeps_state(self) -> bool:
-        return any(p.keeps_state for p in self.parts)
-
-    @property
-    def replicated(self) -> bool:
-        return all(p.replicated for p in self.parts)
+    # each trait follows from the parts': all of them, any of them, or their sum
+    decodes_alone = _over_parts("decodes_alone", all)
+    lossless = _over_parts("lossless", all)
+    replicated = _over_parts("replicated", all)
+    stateful = _over_parts("stateful", any)
+    reads_model = _over_parts("reads_model", any)
+    depends_on_layout = _over_parts("depends_on_layout", any)
+    error_feedback = _over_parts("error_feedback", any)
+    keeps_state = _over_parts("keeps_state", any)
+    host_syncs = _over_parts("host_syncs", sum)
 
     def watch(self, ddp) -> None:
         for part in self.parts:
